@@ -1,0 +1,38 @@
+// The one interface where the two backends really differ: a forward pass over one sequence
+// with its own KV cache.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+class Forward {
+ public:
+  virtual ~Forward() = default;
+  // Evaluates `tokens` at positions n_past() ... n_past()+size-1 (appending them to the KV cache).
+  // Writes logits: all_logits ? size rows of n_vocab() : one row (the last token's).
+  // Throws moe::Error on failure (the CUDA forward: a reason naming the step).
+  virtual void eval(std::span<const int32_t> tokens, bool all_logits, std::vector<float>& logits) = 0;
+  // Evaluates one token and returns the argmax of its logits (lowest id on ties) without handing
+  // the logits back; backends override it to keep the logits on the device.
+  virtual int32_t eval_greedy(int32_t token) {
+    std::vector<float>& l = scratch_;
+    eval(std::span<const int32_t>(&token, 1), false, l);
+    int32_t best = 0;
+    for (size_t i = 1; i < l.size(); ++i)
+      if (l[i] > l[best]) best = static_cast<int32_t>(i);
+    return best;
+  }
+  virtual int64_t n_past() const = 0;
+  virtual int64_t n_ctx() const = 0;
+  virtual int64_t n_vocab() const = 0;
+  virtual void reset() = 0;  // empty the KV cache
+  virtual std::string name() const = 0;  // "cpu" or "cuda"
+
+ private:
+  std::vector<float> scratch_;
+};
+
+}  // namespace moe

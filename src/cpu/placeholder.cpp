@@ -1,0 +1,1 @@
+// module cpu: sources land here

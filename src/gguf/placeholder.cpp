@@ -1,0 +1,1 @@
+// module gguf: sources land here

@@ -1,0 +1,1 @@
+// module guard: sources land here

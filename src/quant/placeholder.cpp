@@ -1,0 +1,1 @@
+// module quant: sources land here

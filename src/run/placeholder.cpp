@@ -1,0 +1,1 @@
+// module run: sources land here
