@@ -1,1 +1,0 @@
-// module gguf: sources land here
