@@ -1,1 +1,0 @@
-// module guard: sources land here

@@ -1,1 +1,0 @@
-// module run: sources land here
