@@ -1,1 +1,0 @@
-// module cpu: sources land here
