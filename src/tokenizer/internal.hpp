@@ -1,0 +1,137 @@
+// Internal pieces of the tokenizer module shared by its .cpp files (not a public header).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "moe/tokenizer.hpp"
+
+namespace moe::tok::detail {
+
+// ---- Unicode helpers (unicode.cpp) ----------------------------------------------------------
+// Per-code-point class bits used by the pre-tokenizer. kDefined is set for every real code point so
+// that "no flags" only ever means "past the end of the fragment", as in llama.cpp's matcher.
+enum CpFlags : uint8_t { kDefined = 1, kLetter = 2, kNumber = 4, kSpace = 8, kMark = 16 };
+
+uint8_t cp_flags(uint32_t cp);  // from libutf8proc's general category (+ White_Space)
+
+// Decodes one well-formed UTF-8 sequence at s[i] (strict: no overlongs, surrogates or values above
+// U+10FFFF). Returns its length (1..4) and sets cp, or 0 when the bytes there are not well-formed.
+size_t utf8_decode(const unsigned char* s, size_t n, size_t i, uint32_t& cp);
+void utf8_append(std::string& out, uint32_t cp);
+// Replaces every byte that does not belong to a well-formed sequence by U+FFFD.
+std::string utf8_sanitize(std::string_view s);
+bool utf8_valid(std::string_view s);
+
+// GPT-2 byte <-> code point map (REFERENCE §6.2).
+uint32_t byte_to_cp(uint8_t b);
+int byte_from_cp(uint32_t cp);  // -1 when cp is not one of the 256 mapped code points
+std::string byte_encode(std::string_view raw);
+
+// ---- pre-tokenizer (pretokenize.cpp) -----------------------------------------------------------
+// Splits one text fragment (valid UTF-8) with the qwen2 rules; appends the byte end offset of each
+// word to `ends` (words are contiguous from 0). `cps`/`flags`/`offs` are scratch buffers.
+struct SplitScratch {
+  std::vector<uint32_t> cps;
+  std::vector<uint8_t> flags;
+  std::vector<uint32_t> offs;  // byte offset of each code point, plus the total at the end
+};
+void split_qwen2(std::string_view text, std::vector<uint32_t>& ends, SplitScratch& s);
+
+// ---- merge table --------------------------------------------------------------------------------
+// Open-addressing map (left symbol, right symbol) -> (rank, merged symbol): one probe sequence over
+// a flat array, no allocation per lookup.
+class MergeMap {
+ public:
+  struct Hit {
+    int32_t rank;
+    int32_t result;
+  };
+  void reserve(size_t n);
+  // Keeps the first insertion for a key (llama.cpp emplaces, so the lowest rank wins).
+  void insert(int32_t left, int32_t right, int32_t rank, int32_t result);
+  const Hit* find(int32_t left, int32_t right) const {
+    if (slots_.empty()) return nullptr;
+    const uint64_t key = pack(left, right);
+    size_t i = hash(key);
+    while (true) {
+      const Slot& s = slots_[i];
+      if (s.key == key) return &s.hit;
+      if (s.key == kEmpty) return nullptr;
+      i = (i + 1) & mask_;
+    }
+  }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t{0};
+  struct Slot {
+    uint64_t key = kEmpty;
+    Hit hit{0, 0};
+  };
+  static uint64_t pack(int32_t l, int32_t r) {
+    return (uint64_t(uint32_t(l)) << 32) | uint32_t(r);
+  }
+  size_t hash(uint64_t key) const { return size_t((key * 0x9E3779B97F4A7C15ull) >> shift_); }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  unsigned shift_ = 64;
+  size_t size_ = 0;
+};
+
+// ---- the loaded vocabulary ---------------------------------------------------------------------
+struct Special {
+  int32_t id;
+  std::string_view text;  // into Impl::text
+};
+
+// Candidates for the special-token partition in one mode (parse_special on / off).
+struct SpecialSet {
+  std::vector<Special> by_priority;  // longest text first, ties by id
+  // text -> index into by_priority (first eligible token with that text)
+  std::unordered_map<std::string_view, uint32_t> index;
+  std::array<bool, 256> first_byte{};
+  std::array<std::vector<uint32_t>, 256> lengths;  // distinct text lengths per first byte
+};
+
+}  // namespace moe::tok::detail
+
+namespace moe::tok {
+
+struct Tokenizer::Impl {
+  std::string model;  // tokenizer.ggml.model
+  std::string pre;    // tokenizer.ggml.pre
+  int32_t n_vocab = 0;
+  std::vector<std::string> text;    // vocabulary strings (byte-encoded form)
+  std::vector<uint8_t> attr;        // TokenAttr bits
+  std::vector<std::string> pieces;  // detokenized bytes per token (special rendering on)
+
+  // BPE symbols: ids < n_vocab are tokens; larger ids are merge strings missing from the vocabulary.
+  std::unordered_map<std::string_view, int32_t> sym_id;  // string -> symbol (last token id wins)
+  std::deque<std::string> extra_text;                    // text of symbols >= n_vocab
+  std::array<int32_t, 256> byte_sym{};                   // raw byte -> initial symbol
+  detail::MergeMap merges;
+  size_t n_merges = 0;
+
+  detail::SpecialSet special_all;   // parse_special = true
+  detail::SpecialSet special_user;  // parse_special = false (USER_DEFINED only)
+
+  int32_t bos = -1, eos = -1, eot = -1, pad = -1;
+  bool add_bos = false, add_eos = false;
+  std::vector<int32_t> eog;         // sorted
+  std::vector<uint8_t> eog_flag;    // per token
+  std::optional<std::string> chat_template;
+
+  const std::string& symbol_text(int32_t sym) const {
+    return sym < n_vocab ? text[size_t(sym)] : extra_text[size_t(sym - n_vocab)];
+  }
+  // Appends the final ids for one BPE symbol (llama.cpp's per-byte fallback for missing strings).
+  void emit_symbol(int32_t sym, std::vector<int32_t>& out) const;
+};
+
+}  // namespace moe::tok
