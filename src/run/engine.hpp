@@ -1,0 +1,78 @@
+// The backend dispatcher: picks the forward that serves the run (CUDA first, proven by the F2
+// guard; otherwise the CPU), and keeps serving it through GPU failures by falling back to the CPU
+// with the same tokens (internal to src/run).
+#pragma once
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moe/forward.hpp"
+#include "moe/guard.hpp"
+#include "moe/model.hpp"
+#include "moe/quant.hpp"
+#include "moe/run.hpp"
+
+namespace moe::run {
+
+struct BackendReport {
+  std::string requested = "auto";  // auto | gpu | cpu
+  std::string ran = "cpu";         // cuda | cpu
+  bool fell_back = false;
+  std::optional<std::string> reason;
+  std::optional<std::string> device;
+  uint64_t vram_mib = 0;
+  double build_ms = 0;  // building the serving forward (GPU: init + upload)
+  // The guard (guard_ran false: no guard ran, the JSON value is null).
+  bool guard_ran = false;
+  bool guard_skipped = false;
+  int64_t guard_positions = 0;
+  std::optional<double> guard_min_cosine;
+  bool guard_accepted = true;
+  std::optional<int64_t> guard_first_bad;
+  double guard_ms = 0;
+};
+
+class Engine {
+ public:
+  Engine(const RunConfig& cfg, const Backends& b, std::shared_ptr<const model::OwnedQuantizedModel> m,
+         quant::ThreadPool& pool, int n_threads, int64_t n_ctx, std::ostream& err);
+
+  // Builds the serving forward (GPU attempt, F2 guard over `prompt`, or the CPU). Throws
+  // Exit::gpu_failed with --gpu when the GPU cannot serve, Exit::no_cuda on a CPU-only build.
+  void start(std::span<const int32_t> prompt);
+
+  // Evaluates `tokens` (the tail of `history`, which holds every token so far including them).
+  // A GPU failure (an exception or non-finite logits) falls back to the CPU, which re-evaluates the
+  // whole history; the rows handed back are those of `tokens` either way. Non-finite CPU logits
+  // throw Exit::inference naming the position.
+  void eval(std::span<const int32_t> tokens, std::span<const int32_t> history, bool all_logits,
+            std::vector<float>& logits);
+
+  const BackendReport& report() const { return rep_; }
+  bool on_gpu() const { return on_gpu_; }
+  int64_t n_past() const { return fwd_->n_past(); }
+
+ private:
+  void fall_back(const std::string& reason);
+  std::unique_ptr<Forward> make_cpu(int64_t n_ctx, quant::ActMode mode);
+  void cpu_banner();
+
+  const RunConfig& cfg_;
+  const Backends& b_;
+  std::shared_ptr<const model::OwnedQuantizedModel> model_;
+  quant::ThreadPool& pool_;
+  int n_threads_;
+  int64_t n_ctx_;
+  std::ostream& err_;
+  std::unique_ptr<Forward> fwd_;
+  bool on_gpu_ = false;
+  BackendReport rep_;
+};
+
+// Index of the first non-finite value, or -1.
+int64_t first_non_finite(std::span<const float> v);
+
+}  // namespace moe::run
