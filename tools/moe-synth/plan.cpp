@@ -184,8 +184,9 @@ std::vector<TensorPlan> plan_tensors(const Geometry& g, uint32_t n_vocab, Mix mi
     // Norms and the router stay F32 in every mix, as the converter and the quantizer keep them.
     const bool matrix = t.n_dims >= 2 && t.role != Role::router;
     t.type = matrix ? compatible_type(mix_type(g, t, mix), t.ne[0]) : Type::F32;
+    // Overrides, like llama-quantize's --tensor-type, touch matrices only: norms stay F32.
     for (const auto& o : overrides) {
-      if (!std::regex_search(t.name, o.re)) continue;
+      if (t.n_dims < 2 || !std::regex_search(t.name, o.re)) continue;
       const auto tr = moe::gguf::type_traits(o.type);
       if (t.ne[0] % tr.block_elems != 0)
         throw Error(Exit::usage, fmt::format("--type-override {}: {} has rows of {} elements, not a multiple of "
