@@ -1,0 +1,161 @@
+// Run-time choice of the kernel table (CPU features capped by MOE_ISA) and the public entry points
+// that go through it.
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "internal.hpp"
+#include "moe/error.hpp"
+
+namespace moe::quant {
+namespace detail {
+namespace {
+
+std::array<Kernels, 3> build_tables() {
+  std::array<Kernels, 3> t;
+  fill_scalar_kernels(t[0]);
+  t[1] = t[0];
+  t[2] = t[0];
+#if defined(__x86_64__) || defined(__i386__)
+  Isa best = cpu_isa();
+  if (best >= Isa::avx2) fill_avx2_kernels(t[1]);
+  if (best >= Isa::avx512) {
+    fill_avx2_kernels(t[2]);
+    fill_avx512_kernels(t[2]);
+  }
+#endif
+  return t;
+}
+
+const std::array<Kernels, 3>& tables() {
+  static const std::array<Kernels, 3> t = build_tables();
+  return t;
+}
+
+Isa isa_from_env() {
+  Isa best = cpu_isa();
+  const char* cap = std::getenv("MOE_ISA");
+  if (!cap || !*cap) return best;
+  Isa want = best;
+  if (std::strcmp(cap, "scalar") == 0) want = Isa::scalar;
+  else if (std::strcmp(cap, "avx2") == 0) want = Isa::avx2;
+  else if (std::strncmp(cap, "avx512", 6) == 0) want = Isa::avx512;
+  return std::min(want, best);
+}
+
+std::atomic<const Kernels*> g_active{nullptr};
+
+}  // namespace
+
+Isa cpu_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+                __builtin_cpu_supports("bmi2");
+    if (!avx2) return Isa::scalar;
+    // The AVX-512 kernels use VNNI (vpdpbusd); without it the AVX2 ones are as good.
+    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                  __builtin_cpu_supports("avx512vnni");
+    return avx512 ? Isa::avx512 : Isa::avx2;
+  }();
+  return isa;
+#else
+  return Isa::scalar;
+#endif
+}
+
+const Kernels& kernels(Isa isa) { return tables()[static_cast<size_t>(std::min(isa, cpu_isa()))]; }
+
+const Kernels& active() {
+  const Kernels* k = g_active.load(std::memory_order_acquire);
+  if (!k) {
+    k = &kernels(isa_from_env());
+    g_active.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+void reload_isa_from_env() { g_active.store(&kernels(isa_from_env()), std::memory_order_release); }
+
+}  // namespace detail
+
+const char* isa_name() { return detail::active().name; }
+
+void quantize_act(Type weight, const float* x, void* dst, int64_t n) {
+  Type a = act_type(weight);
+  detail::blocks_in_row(a, n);
+  detail::active().quantize_act[static_cast<size_t>(a)](x, dst, n);
+}
+
+namespace {
+detail::DotFastFn fast_fn(Type weight) {
+  auto id = static_cast<uint32_t>(weight);
+  detail::DotFastFn fn = id < gguf::kTypeCount ? detail::active().dot_fast[id] : nullptr;
+  if (!fn) detail::unsupported_type(weight, "as a CPU weight");
+  return fn;
+}
+detail::DotExactFn exact_fn(Type weight) {
+  auto id = static_cast<uint32_t>(weight);
+  detail::DotExactFn fn = id < gguf::kTypeCount ? detail::active().dot_exact[id] : nullptr;
+  if (!fn) detail::unsupported_type(weight, "as a CPU weight");
+  return fn;
+}
+
+// Rows handled together against every token, so a row block stays in L1 while the activation
+// rows stream past it (prefill); about 16 KiB of weights.
+int64_t row_block(size_t row_bytes) { return std::max<int64_t>(1, static_cast<int64_t>((16u << 10) / std::max<size_t>(row_bytes, 1))); }
+}  // namespace
+
+float dot_fast(Type weight, const void* wrow, const void* act, int64_t n) {
+  detail::blocks_in_row(weight, n);
+  return fast_fn(weight)(wrow, act, n);
+}
+
+float dot_exact(Type weight, const void* wrow, const float* x, int64_t n) {
+  detail::blocks_in_row(weight, n);
+  return exact_fn(weight)(wrow, x, n);
+}
+
+void matmul_rows_fast(const Matrix& W, int64_t r0, int64_t r1, const uint8_t* acts, size_t act_stride, int64_t n_tok,
+                      float* Y, int64_t y_stride) {
+  detail::DotFastFn fn = fast_fn(W.type);
+  const int64_t n = W.cols;
+  if (n_tok == 1) {
+    for (int64_t r = r0; r < r1; ++r) Y[r] = fn(W.row(r), acts, n);
+    return;
+  }
+  const int64_t rb = row_block(W.row_bytes);
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const uint8_t* a = acts + static_cast<size_t>(t) * act_stride;
+      float* y = Y + t * y_stride;
+      for (int64_t r = b0; r < b1; ++r) y[r] = fn(W.row(r), a, n);
+    }
+  }
+}
+
+void matmul_rows_exact(const Matrix& W, int64_t r0, int64_t r1, const float* X, int64_t x_stride, int64_t n_tok,
+                       float* Y, int64_t y_stride) {
+  detail::DotExactFn fn = exact_fn(W.type);
+  const int64_t n = W.cols;
+  if (n_tok == 1) {
+    for (int64_t r = r0; r < r1; ++r) Y[r] = fn(W.row(r), X, n);
+    return;
+  }
+  const int64_t rb = row_block(W.row_bytes);
+  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
+    const int64_t b1 = std::min(r1, b0 + rb);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const float* x = X + t * x_stride;
+      float* y = Y + t * y_stride;
+      for (int64_t r = b0; r < b1; ++r) y[r] = fn(W.row(r), x, n);
+    }
+  }
+}
+
+}  // namespace moe::quant

@@ -1,1 +1,0 @@
-// module quant: sources land here
