@@ -359,6 +359,11 @@ class CpuForward final : public Forward {
     s_.parallel(n_out, [&](int64_t t, int) {
       rms_norm(s_.x + (out0 + t) * E, s_.model->output_norm.f32(), s_.h + t * E, E, c.rms_eps);
     });
+    // A NaN in the hidden state could vanish in the activation quantization; check it here too.
+    for (int64_t t = 0; t < n_out; ++t)
+      for (int64_t i = 0; i < E; ++i)
+        if (!std::isfinite(s_.h[t * E + i]))
+          fail(Exit::inference, "non-finite hidden state at position {} (the input of the LM head)", p0 + out0 + t);
     const int64_t V = n_vocab();
     const Proj head{s_.model->output.matrix(), out, V};
     project(s_, &head, 1, s_.h, E, n_out);
