@@ -90,10 +90,12 @@ TEST(SynthTypes, KQuantFallbackForRowsNotMultipleOf256) {
     EXPECT_EQ(type_of(*f, "token_embd.weight"), "Q5_0");
     EXPECT_EQ(type_of(*f, "output.weight"), "Q8_0");
     EXPECT_EQ(type_of(*f, "blk.0.attn_q.weight"), "Q5_0");
-    EXPECT_EQ(type_of(*f, "blk.0.attn_v.weight"), "Q8_0");  // layer 0 wants Q6_K
+    EXPECT_EQ(type_of(*f, "blk.0.attn_v.weight"), "Q5_0");
+    EXPECT_EQ(type_of(*f, "blk.1.attn_v.weight"), "Q8_0");  // use_more_bits(1, 2) wants Q6_K
     EXPECT_EQ(type_of(*f, "blk.1.ffn_gate_exps.weight"), "Q5_0");
     EXPECT_EQ(type_of(*f, "blk.0.attn_output.weight"), "Q4_K");  // rows of q dim 256
-    EXPECT_EQ(type_of(*f, "blk.0.ffn_down_exps.weight"), "Q6_K");
+    EXPECT_EQ(type_of(*f, "blk.0.ffn_down_exps.weight"), "Q4_K");
+    EXPECT_EQ(type_of(*f, "blk.1.ffn_down_exps.weight"), "Q6_K");
   }
   {
     const auto f = File::open(make_model("fb-q5.gguf", geo + " --type q5_k_m"));
@@ -130,7 +132,7 @@ TEST(SynthTypes, Overrides) {
   EXPECT_EQ(type_of(*f, "blk.1.ffn_up_exps.weight"), "Q8_0");
   EXPECT_EQ(type_of(*f, "blk.1.attn_q.weight"), "F16");   // the first matching pattern wins
   EXPECT_EQ(type_of(*f, "blk.0.attn_q.weight"), "BF16");
-  EXPECT_EQ(type_of(*f, "blk.0.ffn_down_exps.weight"), "Q6_K");
+  EXPECT_EQ(type_of(*f, "blk.1.ffn_down_exps.weight"), "Q6_K");
   EXPECT_EQ(type_of(*f, "blk.0.attn_k.weight"), "Q4_K");
 }
 

@@ -84,6 +84,8 @@ int run(int argc, char** argv) {
   bool tied = false;
   uint64_t seed = 1;
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // A later flag wins, so scripts can append to a base command line.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("-o,--output", out, "output GGUF file")->required();
   app.add_option("--preset", preset_name, "geometry defaults: tiny | qwen3-30b-a3b")
       ->check(CLI::IsMember({"tiny", "qwen3-30b-a3b"}));
@@ -104,7 +106,8 @@ int run(int argc, char** argv) {
   app.add_option("--eps", eps, "RMSNorm epsilon");
   app.add_flag("--tied", tied, "no output.weight: the token embedding is the LM head");
   app.add_option("--type", type_name, "q4_k_m | q5_k_m | q6_k | q8_0 | bf16 | f16 | f32");
-  app.add_option("--type-override", override_specs, "REGEX=TYPE: tensors whose name matches get TYPE (repeatable)");
+  app.add_option("--type-override", override_specs, "REGEX=TYPE: tensors whose name matches get TYPE (repeatable)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--seed", seed, "weights seed");
   app.add_option("--threads", threads, "worker threads")->check(CLI::Range(1, 1024));
   try {
