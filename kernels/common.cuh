@@ -1,0 +1,117 @@
+// Shared device helpers: the swizzled activation vector in shared memory, block reductions, top-k.
+#pragma once
+#include "dequant.cuh"
+#include "launch.cuh"
+
+namespace moe::cuda::dev {
+
+// Activations live in shared memory as groups of 32 floats (8 float4 chunks). Chunk c of group g is
+// stored at float4 index 8g + (c ^ (g & 7)): lanes of a warp read different groups at once, and
+// without the xor 8 of them would hit the same 16-byte bank.
+__device__ __forceinline__ int swz(int e) {
+  int g = e >> 5, c = (e >> 2) & 7;
+  return ((g * 8 + (c ^ (g & 7))) << 2) | (e & 3);
+}
+
+// Dot of group g of a row of type T with the swizzled activations xs.
+template <uint32_t T>
+__device__ __forceinline__ float dot_group(const uint8_t* row, int g, const float4* xs) {
+  float v[32];
+  dequant32<T>(row, g, v);
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    float4 x = xs[g * 8 + (c ^ (g & 7))];
+    acc = fmaf(v[4 * c], x.x, acc);
+    acc = fmaf(v[4 * c + 1], x.y, acc);
+    acc = fmaf(v[4 * c + 2], x.z, acc);
+    acc = fmaf(v[4 * c + 3], x.w, acc);
+  }
+  return acc;
+}
+
+// This lane's share of row · xs over n_groups groups (not yet reduced over the warp).
+template <uint32_t T>
+__device__ __forceinline__ void lane_dot_t(const uint8_t* row, int n_groups, const float4* xs, int lane, float& acc) {
+#pragma unroll 2
+  for (int g = lane; g < n_groups; g += 32) acc += dot_group<T>(row, g, xs);
+}
+__device__ __forceinline__ float lane_dot(uint32_t type, const uint8_t* row, int n_groups, const float4* xs, int lane) {
+  float acc = 0.f;
+  MOE_DISPATCH_TYPE(type, lane_dot_t, row, n_groups, xs, lane, acc);
+  return acc;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? red[lane] : 0.f;
+  return warp_sum(t);
+}
+
+// Loads n floats of x into swizzled shared memory, optionally as rmsnorm(x) * w.
+__device__ __forceinline__ void load_act(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
+                                         float eps, float* xs, float* red) {
+  float scale = 1.f;
+  if (norm_w) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, red);
+    scale = rsqrtf(ss / static_cast<float>(n) + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xs[swz(i)] = x[i] * scale * norm_w[i];
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xs[swz(i)] = x[i];
+  }
+  __syncthreads();
+}
+
+// Softmax over the n logits in shared memory, then the top k (lowest index on ties), weights
+// renormalised over the chosen set (clamped as llama.cpp does). Run by one warp.
+__device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, int k, int32_t* ids, float* weights,
+                                                  float* prob /* n floats of scratch */) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, logits[i]);
+  mx = warp_max(mx);
+  float sum = 0.f;
+  for (int i = lane; i < n; i += 32) {
+    float p = expf(logits[i] - mx);
+    prob[i] = p;
+    sum += p;
+  }
+  sum = warp_sum(sum);
+  const float inv = 1.f / sum;
+  for (int i = lane; i < n; i += 32) prob[i] *= inv;
+  __syncwarp();
+  float chosen_sum = 0.f;
+  for (int j = 0; j < k; ++j) {
+    float best = -1.f;
+    int bi = 0x7fffffff;
+    for (int i = lane; i < n; i += 32) {
+      float p = prob[i];
+      if (p > best || (p == best && i < bi)) { best = p; bi = i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+    }
+    if (lane == 0) {
+      ids[j] = bi;
+      weights[j] = best;
+      prob[bi] = -2.f;  // taken
+    }
+    chosen_sum += best;
+    __syncwarp();
+  }
+  const float denom = fmaxf(chosen_sum, 6.103515625e-5f);
+  if (lane < k) weights[lane] = weights[lane] / denom;
+  __syncwarp();
+}
+
+}  // namespace moe::cuda::dev

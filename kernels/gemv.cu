@@ -1,0 +1,209 @@
+// Decode-time matrix-vector products: weights dequantized in registers against fp32 activations
+// held in shared memory (the same arithmetic as the CPU's exact mode), one warp per output row.
+#include "common.cuh"
+
+namespace moe::cuda::k {
+using namespace dev;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+struct GemvArgs {
+  GemvOut outs[3];
+  int n_outs;
+  int rows_total;
+  const float* x;
+  const float* norm_w;
+  float eps;
+  int cols;
+  int accumulate;
+};
+
+__global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
+  extern __shared__ float4 smem4[];
+  __shared__ float red[32];
+  float* xs = reinterpret_cast<float*>(smem4);
+  load_act(a.x, a.cols, a.norm_w, a.eps, xs, red);
+  const int lane = threadIdx.x & 31;
+  const int n_groups = a.cols >> 5;
+  for (int r = blockIdx.x * kWarps + (threadIdx.x >> 5); r < a.rows_total; r += gridDim.x * kWarps) {
+    int m = 0, rr = r;
+    while (m + 1 < a.n_outs && rr >= a.outs[m].W.rows) rr -= a.outs[m++].W.rows;
+    const Mat& W = a.outs[m].W;
+    float acc = lane_dot(W.type, W.data + rr * W.row_stride, n_groups, smem4, lane);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+      float* y = a.outs[m].y + rr;
+      *y = a.accumulate ? *y + acc : acc;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) route_kernel(const float* __restrict__ x, const float* __restrict__ norm_w,
+                                                         float eps, Mat R, int n_used, float* h_out, float* scratch,
+                                                         int* counter, int32_t* ids, float* weights) {
+  extern __shared__ float4 smem4[];
+  __shared__ float red[32];
+  __shared__ bool last;
+  float* xs = reinterpret_cast<float*>(smem4);
+  load_act(x, R.cols, norm_w, eps, xs, red);
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < R.cols; i += blockDim.x) h_out[i] = xs[swz(i)];
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (r < R.rows) {
+    float acc = warp_sum(lane_dot(R.type, R.data + r * R.row_stride, R.cols >> 5, smem4, lane));
+    if (lane == 0) scratch[r] = acc;
+  }
+  // The last block to finish sees every logit and picks the experts.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float* logits = xs;  // reuse: R.rows floats, then R.rows floats of probabilities
+  for (int i = threadIdx.x; i < R.rows; i += blockDim.x) logits[i] = __ldcg(scratch + i);
+  __syncthreads();
+  if (threadIdx.x < 32) softmax_topk_warp(logits, R.rows, n_used, ids, weights, logits + R.rows);
+  if (threadIdx.x == 0) *counter = 0;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+__global__ void __launch_bounds__(kThreads) expert_gate_up_kernel(Mat G, Mat U, const float* __restrict__ h,
+                                                                  const int32_t* __restrict__ ids, float* act) {
+  extern __shared__ float4 smem4[];
+  __shared__ float red[32];
+  float* xs = reinterpret_cast<float*>(smem4);
+  load_act(h, G.cols, nullptr, 0.f, xs, red);
+  const int j = blockIdx.y;
+  const int e = ids[j];
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (r >= G.rows) return;
+  const int n_groups = G.cols >> 5;
+  float g = warp_sum(lane_dot(G.type, G.data + e * G.expert_stride + r * G.row_stride, n_groups, smem4, lane));
+  float u = warp_sum(lane_dot(U.type, U.data + e * U.expert_stride + r * U.row_stride, n_groups, smem4, lane));
+  if (lane == 0) act[j * G.rows + r] = silu(g) * u;
+}
+
+template <uint32_t T>
+__device__ __forceinline__ void down_lane_t(const Mat& D, const int32_t* ids, const float* w, int n_used, int r,
+                                            const float4* xs, int lane, float& acc) {
+  const int gpr = D.cols >> 5;  // groups per expert row
+  const int total = gpr * n_used;
+  for (int t = lane; t < total; t += 32) {
+    const int j = t / gpr, g = t - j * gpr;
+    const uint8_t* row = D.data + ids[j] * D.expert_stride + r * D.row_stride;
+    // activations of slot j start at group j * gpr of the swizzled buffer
+    float v[32];
+    dequant32<T>(row, g, v);
+    const int gg = j * gpr + g;
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float4 x = xs[gg * 8 + (c ^ (gg & 7))];
+      s = fmaf(v[4 * c], x.x, s);
+      s = fmaf(v[4 * c + 1], x.y, s);
+      s = fmaf(v[4 * c + 2], x.z, s);
+      s = fmaf(v[4 * c + 3], x.w, s);
+    }
+    acc = fmaf(w[j], s, acc);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) expert_down_kernel(Mat D, const float* __restrict__ act,
+                                                               const int32_t* __restrict__ ids,
+                                                               const float* __restrict__ weights, int n_used,
+                                                               float* x) {
+  extern __shared__ float4 smem4[];
+  __shared__ float red[32];
+  __shared__ int32_t sid[64];
+  __shared__ float sw[64];
+  float* xs = reinterpret_cast<float*>(smem4);
+  if (threadIdx.x < n_used) {
+    sid[threadIdx.x] = ids[threadIdx.x];
+    sw[threadIdx.x] = weights[threadIdx.x];
+  }
+  load_act(act, D.cols * n_used, nullptr, 0.f, xs, red);
+  const int lane = threadIdx.x & 31;
+  const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (r >= D.rows) return;
+  float acc = 0.f;
+  MOE_DISPATCH_TYPE(D.type, down_lane_t, D, sid, sw, n_used, r, smem4, lane, acc);
+  acc = warp_sum(acc);
+  if (lane == 0) x[r] += acc;
+}
+
+int g_sm_count = 0;
+
+}  // namespace
+
+int sm_count() {
+  if (g_sm_count == 0) {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+      g_sm_count = n;
+    else
+      return 1;
+  }
+  return g_sm_count;
+}
+
+cudaError_t init_kernels() {
+  const int big = 200 * 1024;
+  cudaError_t e;
+  if ((e = cudaFuncSetAttribute(gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(expert_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(expert_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  return cudaSuccess;
+}
+
+cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
+                 cudaStream_t s) {
+  GemvArgs a{};
+  a.n_outs = n_outs;
+  for (int i = 0; i < n_outs; ++i) {
+    a.outs[i] = outs[i];
+    a.rows_total += outs[i].W.rows;
+  }
+  a.x = x;
+  a.norm_w = norm_w;
+  a.eps = eps;
+  a.cols = outs[0].W.cols;
+  a.accumulate = accumulate ? 1 : 0;
+  const int blocks_needed = (a.rows_total + kWarps - 1) / kWarps;
+  const int grid = blocks_needed < sm_count() * 8 ? blocks_needed : sm_count() * 8;
+  gemv_kernel<<<grid, kThreads, a.cols * sizeof(float), s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, int n_used, float* h_out,
+                        float* scratch, int* counter, int32_t* ids, float* weights, cudaStream_t s) {
+  const int grid = (R.rows + kWarps - 1) / kWarps;
+  size_t smem = static_cast<size_t>(R.cols > 2 * R.rows ? R.cols : 2 * R.rows) * sizeof(float);
+  route_kernel<<<grid, kThreads, smem, s>>>(x, norm_w, eps, R, n_used, h_out, scratch, counter, ids, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
+                           cudaStream_t s) {
+  dim3 grid((G.rows + kWarps - 1) / kWarps, n_used);
+  expert_gate_up_kernel<<<grid, kThreads, G.cols * sizeof(float), s>>>(G, U, h, ids, act);
+  return cudaGetLastError();
+}
+
+cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
+                            float* x, cudaStream_t s) {
+  if (n_used > 64) return cudaErrorInvalidValue;
+  const int grid = (D.rows + kWarps - 1) / kWarps;
+  expert_down_kernel<<<grid, kThreads, static_cast<size_t>(D.cols) * n_used * sizeof(float), s>>>(D, act, ids, weights,
+                                                                                                  n_used, x);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::cuda::k

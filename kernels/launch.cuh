@@ -1,0 +1,107 @@
+// Host-side entry points of the CUDA kernels. Plain C++ (no CUDA syntax): src/cuda and the tests
+// include it. Every function enqueues work on `stream` and returns the launch status; device
+// pointers throughout. The kernels are named for what they compute; each has a CPU twin in tests/cuda.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moe::cuda::k {
+
+// A weight matrix on the device in the layout of layout.cuh: `rows` rows of `cols` elements,
+// consecutive rows `row_stride` bytes apart; 3-D expert tensors hold experts `expert_stride` apart.
+struct Mat {
+  const uint8_t* data = nullptr;
+  uint32_t type = 0;
+  int32_t rows = 0;
+  int32_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t expert_stride = 0;
+};
+
+// RoPE parameters (REFERENCE.md §4.5), resolved on the host.
+struct Rope {
+  float theta_scale = 1.f;  // base^(-2/n_rot)
+  float freq_scale = 1.f;   // 1/factor (linear and YaRN)
+  float mscale = 1.f;       // magnitude of cos/sin
+  float corr_lo = 0.f, corr_hi = 0.f;  // YaRN ramp bounds
+  int yarn = 0;
+};
+
+int sm_count();  // of the current device (cached)
+
+// Sets the shared-memory limits of the kernels that may need more than 48 KiB.
+cudaError_t init_kernels();
+
+// out[t][:] = dequantized row ids[t] of W, for t < n (the embedding lookup).
+cudaError_t embed_rows(const Mat& W, const int32_t* ids, int n, float* out, cudaStream_t s);
+
+// out[t][:] = rmsnorm(x[t]) * w for t < n; rows `stride` floats apart.
+cudaError_t rmsnorm_rows(const float* x, const float* w, int n, int cols, int stride, float eps, float* out,
+                         cudaStream_t s);
+
+// Decode GEMV over up to three matrices sharing the input: y_i[r] (+)= W_i.row(r) · h, where h = x,
+// or rmsnorm(x) * norm_w when norm_w is set. Every matrix has x's length as cols.
+struct GemvOut {
+  Mat W;
+  float* y = nullptr;
+};
+cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
+                 cudaStream_t s);
+
+// MoE routing for one token: h = rmsnorm(x) * norm_w (written to h_out), logits = R·h, softmax over
+// all experts, the n_used largest (lowest id on ties), weights renormalised over the chosen set.
+// `scratch` holds R.rows floats and `counter` one int that must be zero (it is left zero).
+cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, int n_used, float* h_out,
+                        float* scratch, int* counter, int32_t* ids, float* weights, cudaStream_t s);
+
+// act[j][r] = silu(G_e.row(r)·h) * (U_e.row(r)·h) for e = ids[j], j < n_used (decode).
+cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
+                           cudaStream_t s);
+// x[r] += Σ_j weights[j] * D_e.row(r)·act[j] for e = ids[j] (decode).
+cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
+                            float* x, cudaStream_t s);
+
+// Per-head RMSNorm of q and k (gains q_norm/k_norm over head_dim), NEOX RoPE at position
+// pos0[0] + t, then K and V (as fp16) into the cache rows of those positions. qkv holds n rows of
+// [q | k | v] (q_dim + 2 kv_dim floats); q is normalised in place.
+cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const float* q_norm, const float* k_norm,
+                               int n_head, int n_head_kv, int head_dim, float eps, Rope rope, void* k_cache,
+                               void* v_cache, cudaStream_t s);
+
+// Causal GQA attention of n query rows (in qkv, row stride qkv_stride floats) at positions
+// pos0[0] + t over the fp16 cache; out[t] = concat of heads. The context is split in n_split parts
+// per (token, kv head); partials ([n][n_head_kv][n_split][G][head_dim + 2] floats) are combined by
+// the last block to finish, counted in counters ([n][n_head_kv] ints, zero, left zero).
+cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* k_cache,
+                      const void* v_cache, int n_head, int n_head_kv, int head_dim, int n_split, float* partials,
+                      int* counters, float* out, cudaStream_t s);
+bool attention_supported(int n_head, int n_head_kv, int head_dim);
+
+// out[0] = argmax of x[0..n) (lowest index on ties).
+cudaError_t argmax(const float* x, int n, int32_t* out, cudaStream_t s);
+
+// ---- prefill ----------------------------------------------------------------------------------------
+// Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled, weights dequantized in shared memory, fp32 math).
+cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y, int y_stride, bool accumulate,
+                 cudaStream_t s);
+// Per token: softmax over the router logits, top n_used, renormalised weights.
+cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,
+                      cudaStream_t s);
+// Groups the n_tok * n_used assignments by expert (token order kept within an expert):
+// count[e], offset[e], token_of_slot[slot], slot_of[t * n_used + j].
+cudaError_t group_by_expert(const int32_t* ids, int n_tok, int n_used, int n_expert, int* count, int* offset,
+                            int32_t* token_of_slot, int32_t* slot_of, cudaStream_t s);
+// act[slot][r] = silu(G_e.row(r)·h[token_of_slot[slot]]) * (U_e.row(r)·h[...]) for every slot of
+// every expert e (tiles of experts with fewer tokens exit at once; max_count bounds the tile grid).
+cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
+                                   const int* offset, const int32_t* token_of_slot, int n_expert, int max_count,
+                                   float* act, cudaStream_t s);
+// out[slot][r] = D_e.row(r)·act[slot].
+cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
+                                int max_count, float* out, cudaStream_t s);
+// x[t] += Σ_j weights[t][j] * out[slot_of[t][j]] (j in rank order).
+cudaError_t combine_experts(const float* out, const int32_t* slot_of, const float* weights, int n_tok, int n_used,
+                            int cols, float* x, cudaStream_t s);
+
+}  // namespace moe::cuda::k

@@ -1,0 +1,178 @@
+// Small row-wise kernels: embedding lookup, RMSNorm, argmax, per-token expert choice, grouping the
+// token/expert assignments for the prefill GEMMs, and the weighted combine of expert outputs.
+#include "common.cuh"
+
+namespace moe::cuda::k {
+using namespace dev;
+
+namespace {
+
+template <uint32_t T>
+__device__ __forceinline__ void embed_t(const uint8_t* row, int n_groups, float* out) {
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
+    float v[32];
+    dequant32<T>(row, g, v);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) out[g * 32 + i] = v[i];
+  }
+}
+
+__global__ void embed_kernel(Mat W, const int32_t* ids, float* out) {
+  const int t = blockIdx.x;
+  int id = ids[t];
+  if (id < 0 || id >= W.rows) id = 0;  // the host validates ids; never read outside the table
+  const uint8_t* row = W.data + id * W.row_stride;
+  float* o = out + static_cast<int64_t>(t) * W.cols;
+  MOE_DISPATCH_TYPE(W.type, embed_t, row, W.cols >> 5, o);
+}
+
+__global__ void rmsnorm_kernel(const float* x, const float* w, int cols, int stride, float eps, float* out) {
+  __shared__ float red[32];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * stride;
+  float* o = out + static_cast<int64_t>(blockIdx.x) * stride;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  const float scale = rsqrtf(ss / static_cast<float>(cols) + eps);
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+}
+
+__global__ void argmax_kernel(const float* x, int n, int32_t* out) {
+  __shared__ float bv[32];
+  __shared__ int bi[32];
+  float best = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = x[i];
+    if (v > best || (v == best && i < idx)) { best = v; idx = i; }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x >> 5;
+    best = lane < nw ? bv[lane] : -INFINITY;
+    idx = lane < nw ? bi[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float ov = __shfl_xor_sync(0xffffffffu, best, o);
+      int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    if (lane == 0) out[0] = idx == 0x7fffffff ? 0 : idx;
+  }
+}
+
+// One warp per token.
+__global__ void topk_kernel(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights) {
+  extern __shared__ float sm[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + warp;
+  float* lg = sm + warp * 2 * n_expert;
+  if (t >= n_tok) return;
+  for (int i = lane; i < n_expert; i += 32) lg[i] = logits[static_cast<int64_t>(t) * n_expert + i];
+  __syncwarp();
+  softmax_topk_warp(lg, n_expert, n_used, ids + t * n_used, weights + t * n_used, lg + n_expert);
+}
+
+// One block; thread e walks every assignment in order, so slots within an expert follow token order.
+__global__ void group_kernel(const int32_t* ids, int n_assign, int n_used, int n_expert, int* count, int* offset,
+                             int32_t* token_of_slot, int32_t* slot_of) {
+  extern __shared__ int sh[];
+  int* cnt = sh;             // n_expert
+  int32_t* sid = sh + n_expert;  // n_assign
+  for (int i = threadIdx.x; i < n_assign; i += blockDim.x) sid[i] = ids[i];
+  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+    int c = 0;
+    for (int a = 0; a < n_assign; ++a) c += sid[a] == e;
+    cnt[e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int e = 0; e < n_expert; ++e) {
+      int c = cnt[e];
+      count[e] = c;
+      offset[e] = run;
+      cnt[e] = run;
+      run += c;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+    int slot = cnt[e];
+    for (int a = 0; a < n_assign; ++a) {
+      if (sid[a] == e) {
+        token_of_slot[slot] = a / n_used;
+        slot_of[a] = slot;
+        ++slot;
+      }
+    }
+  }
+}
+
+__global__ void combine_kernel(const float* out, const int32_t* slot_of, const float* weights, int n_used, int cols,
+                               float* x) {
+  const int t = blockIdx.x;
+  for (int d = threadIdx.x; d < cols; d += blockDim.x) {
+    float y = 0.f;
+    for (int j = 0; j < n_used; ++j)
+      y = fmaf(weights[t * n_used + j], out[static_cast<int64_t>(slot_of[t * n_used + j]) * cols + d], y);
+    x[static_cast<int64_t>(t) * cols + d] += y;
+  }
+}
+
+}  // namespace
+
+cudaError_t embed_rows(const Mat& W, const int32_t* ids, int n, float* out, cudaStream_t s) {
+  embed_kernel<<<n, 128, 0, s>>>(W, ids, out);
+  return cudaGetLastError();
+}
+
+cudaError_t rmsnorm_rows(const float* x, const float* w, int n, int cols, int stride, float eps, float* out,
+                         cudaStream_t s) {
+  rmsnorm_kernel<<<n, 256, 0, s>>>(x, w, cols, stride, eps, out);
+  return cudaGetLastError();
+}
+
+cudaError_t argmax(const float* x, int n, int32_t* out, cudaStream_t s) {
+  argmax_kernel<<<1, 1024, 0, s>>>(x, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,
+                      cudaStream_t s) {
+  constexpr int warps = 4;
+  size_t smem = static_cast<size_t>(warps) * 2 * n_expert * sizeof(float);
+  topk_kernel<<<(n_tok + warps - 1) / warps, warps * 32, smem, s>>>(logits, n_tok, n_expert, n_used, ids, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t group_by_expert(const int32_t* ids, int n_tok, int n_used, int n_expert, int* count, int* offset,
+                            int32_t* token_of_slot, int32_t* slot_of, cudaStream_t s) {
+  const int n_assign = n_tok * n_used;
+  size_t smem = static_cast<size_t>(n_expert + n_assign) * sizeof(int);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+    if (e) return e;
+  }
+  group_kernel<<<1, 1024, smem, s>>>(ids, n_assign, n_used, n_expert, count, offset, token_of_slot, slot_of);
+  return cudaGetLastError();
+}
+
+cudaError_t combine_experts(const float* out, const int32_t* slot_of, const float* weights, int n_tok, int n_used,
+                            int cols, float* x, cudaStream_t s) {
+  combine_kernel<<<n_tok, 256, 0, s>>>(out, slot_of, weights, n_used, cols, x);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::cuda::k

@@ -1,0 +1,599 @@
+// The CUDA forward: weights resident in the device layout, decode as one captured CUDA graph per
+// token step (token and position read from device memory), batched prefill with expert-grouped GEMMs.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "device.hpp"
+#include "launch.cuh"
+#include "layout.cuh"
+#include "moe/cuda.hpp"
+#include "moe/quant.hpp"
+
+namespace moe::cuda {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr size_t kAlign = 256;
+constexpr size_t kStagingBytes = 64ull << 20;
+constexpr uint64_t kReserveBytes = 512ull << 20;  // CUDA context, graphs, fragmentation
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+struct DevLayer {
+  k::Mat q, k, v, o, router, gate, up, down;
+  const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+};
+
+// Where each weight goes in the one device arena.
+struct WeightPlan {
+  struct Item {
+    const model::Tensor* t;
+    size_t offset;
+    bool as_f32;  // 1-D gains, converted to f32 on the host
+  };
+  std::vector<Item> items;
+  size_t bytes = 0;
+  size_t add(const model::Tensor& t, bool as_f32) {
+    const size_t off = bytes;
+    size_t b;
+    if (as_f32) {
+      b = static_cast<size_t>(t.ne[0]) * sizeof(float);
+    } else {
+      b = device_bytes(t.type, t.ne[0], t.ne[1] * t.ne[2] * t.ne[3]);
+    }
+    items.push_back({&t, off, as_f32});
+    bytes = align_up(off + b, kAlign);
+    return off;
+  }
+};
+
+void check_matrix(const model::Tensor& t) {
+  const std::string name = t.info ? t.info->name : std::string("a tensor");
+  if (!layout::supported(static_cast<uint32_t>(t.type)))
+    fail(Exit::gpu_failed, "the CUDA model would not build: {} has type {}, which the CUDA kernels do not support", name,
+         gguf::type_name(t.type));
+  if (t.ne[0] % 32 != 0)
+    fail(Exit::gpu_failed, "the CUDA model would not build: {} has rows of {} elements (the CUDA kernels need a multiple of 32)",
+         name, t.ne[0]);
+}
+
+class CudaForward final : public Forward {
+ public:
+  CudaForward(std::shared_ptr<const model::OwnedQuantizedModel> m, const Options& o, DeviceInfo* info)
+      : model_(std::move(m)), c_(model_->config) {
+    const auto t_start = std::chrono::steady_clock::now();
+    init_device(o.device);
+    n_ctx_ = o.n_ctx > 0 ? o.n_ctx : static_cast<int64_t>(c_.context_length);
+    if (n_ctx_ <= 0) fail(Exit::gpu_failed, "the CUDA model would not build: context size must be positive");
+    batch_ = std::max<int64_t>(1, std::min<int64_t>(o.max_batch, n_ctx_));
+    validate();
+    WeightPlan plan = plan_weights();
+    size_t free_b = 0, total_b = 0;
+    check(cudaMemGetInfo(&free_b, &total_b), "CUDA initialization failed");
+    const uint64_t kv = kv_bytes(), scratch = scratch_bytes();
+    const uint64_t need = plan.bytes + kv + scratch + kReserveBytes;
+    if (need > free_b)
+      fail(Exit::gpu_failed,
+           "the model does not fit on device {} ({}): needs {:.0f} MiB (weights {:.0f} MiB, KV cache {:.0f} MiB for {} "
+           "positions, scratch {:.0f} MiB, reserve {:.0f} MiB), free {:.0f} MiB of {:.0f} MiB",
+           device_, device_name_, need / kMiB, plan.bytes / kMiB, kv / kMiB, n_ctx_, scratch / kMiB,
+           kReserveBytes / kMiB, free_b / kMiB, total_b / kMiB);
+    check(k::init_kernels(), "CUDA initialization failed");
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "CUDA initialization failed");
+    upload(plan, o.progress);
+    alloc_scratch();
+    capture();
+    size_t free_after = 0;
+    check(cudaMemGetInfo(&free_after, &total_b), "CUDA initialization failed");
+    if (info) {
+      info->name = device_name_;
+      info->vram_total_mib = static_cast<uint64_t>(total_b / kMiB);
+      info->vram_used_mib = free_b > free_after ? static_cast<uint64_t>((free_b - free_after) / kMiB) : 0;
+      info->upload_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
+    }
+  }
+
+  ~CudaForward() override {
+    if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
+    if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
+    if (host_io_) cudaFreeHost(host_io_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  void eval(std::span<const int32_t> tokens, bool all_logits, std::vector<float>& logits) override {
+    check_tokens(tokens);
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t V = n_vocab();
+    if (n == 1) {
+      decode_step(tokens[0], false);
+      logits.resize(static_cast<size_t>(V));
+      finish(cudaMemcpyAsync(logits.data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+             "reading the logits");
+      n_past_ += 1;
+      return;
+    }
+    logits.resize(static_cast<size_t>(all_logits ? n * V : V));
+    for (int64_t i0 = 0; i0 < n; i0 += batch_) {
+      const int64_t nb = std::min(batch_, n - i0);
+      const bool last = i0 + nb == n;
+      prefill_chunk(tokens.data() + i0, static_cast<int>(nb), all_logits, last);
+      if (all_logits) {
+        finish(cudaMemcpyAsync(logits.data() + i0 * V, logits_.ptr, nb * V * sizeof(float), cudaMemcpyDeviceToHost,
+                               stream_),
+               "reading the logits");
+      } else if (last) {
+        finish(cudaMemcpyAsync(logits.data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+               "reading the logits");
+      }
+      n_past_ += nb;
+    }
+  }
+
+  int32_t eval_greedy(int32_t token) override {
+    check_tokens(std::span<const int32_t>(&token, 1));
+    decode_step(token, true);
+    finish(cudaMemcpyAsync(host_io_ + 2, argmax_.ptr, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
+           "reading the greedy token");
+    n_past_ += 1;
+    return host_io_[2];
+  }
+
+  int64_t n_past() const override { return n_past_; }
+  int64_t n_ctx() const override { return n_ctx_; }
+  int64_t n_vocab() const override { return output_.rows; }
+  void reset() override { n_past_ = 0; }
+  std::string name() const override { return "cuda"; }
+
+ private:
+  // ---- setup -------------------------------------------------------------------------------------
+  void init_device(int device) {
+    device_ = device;
+    int count = 0;
+    check(cudaGetDeviceCount(&count), "CUDA initialization failed");
+    if (device < 0 || device >= count)
+      fail(Exit::gpu_failed, "CUDA initialization failed: device {} does not exist ({} CUDA device{})", device, count,
+           count == 1 ? "" : "s");
+    check(cudaSetDevice(device), "CUDA initialization failed");
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, device), "CUDA initialization failed");
+    device_name_ = prop.name;
+    if (prop.major < 7)
+      fail(Exit::gpu_failed, "CUDA initialization failed: {} has compute capability {}.{} (7.0 or newer needed)",
+           device_name_, prop.major, prop.minor);
+    check(cudaFree(nullptr), "CUDA initialization failed");  // creates the context now
+  }
+
+  void validate() {
+    if (!k::attention_supported(static_cast<int>(c_.n_head), static_cast<int>(c_.n_head_kv),
+                                static_cast<int>(c_.head_dim)))
+      fail(Exit::gpu_failed,
+           "the CUDA model would not build: attention with {} heads, {} KV heads and head_dim {} has no CUDA kernel "
+           "(head_dim 64 or 128, 1/2/4/8 query heads per KV head)",
+           c_.n_head, c_.n_head_kv, c_.head_dim);
+    if (c_.n_expert > 1024 || c_.n_expert_used > 64 || c_.n_expert_used == 0)
+      fail(Exit::gpu_failed, "the CUDA model would not build: {} experts with {} used has no CUDA kernel", c_.n_expert,
+           c_.n_expert_used);
+    if (batch_ * c_.n_expert_used > 8192)
+      batch_ = std::max<int64_t>(1, 8192 / c_.n_expert_used);
+    check_matrix(model_->token_embd);
+    check_matrix(model_->output);
+    for (const model::Layer& L : model_->layers)
+      for (const model::Tensor* t : {&L.attn_q, &L.attn_k, &L.attn_v, &L.attn_output, &L.ffn_gate_inp, &L.ffn_gate_exps,
+                                     &L.ffn_up_exps, &L.ffn_down_exps})
+        check_matrix(*t);
+  }
+
+  WeightPlan plan_weights() {
+    WeightPlan p;
+    embd_off_ = p.add(model_->token_embd, false);
+    out_off_ = c_.tied_output ? embd_off_ : p.add(model_->output, false);
+    out_norm_off_ = p.add(model_->output_norm, true);
+    layer_offs_.clear();
+    for (const model::Layer& L : model_->layers) {
+      LayerOffsets lo;
+      lo.q = p.add(L.attn_q, false);
+      lo.k = p.add(L.attn_k, false);
+      lo.v = p.add(L.attn_v, false);
+      lo.o = p.add(L.attn_output, false);
+      lo.router = p.add(L.ffn_gate_inp, false);
+      lo.gate = p.add(L.ffn_gate_exps, false);
+      lo.up = p.add(L.ffn_up_exps, false);
+      lo.down = p.add(L.ffn_down_exps, false);
+      lo.attn_norm = p.add(L.attn_norm, true);
+      lo.ffn_norm = p.add(L.ffn_norm, true);
+      lo.q_norm = p.add(L.attn_q_norm, true);
+      lo.k_norm = p.add(L.attn_k_norm, true);
+      layer_offs_.push_back(lo);
+    }
+    return p;
+  }
+
+  uint64_t kv_bytes() const { return 2ull * 2ull * c_.n_layer * static_cast<uint64_t>(n_ctx_) * c_.kv_dim(); }
+
+  int decode_splits() const {
+    const int want = (2 * k::sm_count() + static_cast<int>(c_.n_head_kv) - 1) / static_cast<int>(c_.n_head_kv);
+    return std::clamp(want, 1, 64);
+  }
+
+  // Bytes of every scratch buffer, in the order alloc_scratch takes them.
+  std::vector<size_t> scratch_sizes() const {
+    const size_t B = static_cast<size_t>(batch_), E = c_.n_embd, Q = c_.q_dim(), KV = c_.kv_dim();
+    const size_t X = c_.n_expert, K = c_.n_expert_used, F = c_.expert_ffn;
+    const size_t V = static_cast<size_t>(model_->output.ne[1]);
+    const size_t G = c_.n_head / c_.n_head_kv;
+    const size_t f = sizeof(float);
+    return {
+        B * E * f,                                            // x
+        B * E * f,                                            // h
+        B * (Q + 2 * KV) * f,                                 // qkv
+        B * Q * f,                                            // o
+        B * X * f,                                            // router logits
+        B * K * 4,                                            // ids
+        B * K * f,                                            // weights
+        X * 4,                                                // count
+        X * 4,                                                // offset
+        B * K * 4,                                            // token_of_slot
+        B * K * 4,                                            // slot_of
+        B * K * F * f,                                        // act
+        B * K * E * f,                                        // expert outputs
+        B * V * f,                                            // logits
+        c_.n_head_kv * static_cast<size_t>(decode_splits()) * G * (c_.head_dim + 2) * f,  // partials
+        B * c_.n_head_kv * 4,                                 // counters
+        X * f,                                                // route scratch
+        64,                                                   // route counter, token, pos, prefill pos, argmax
+        B * 4,                                                // prefill ids
+    };
+  }
+  uint64_t scratch_bytes() const {
+    uint64_t s = 0;
+    for (size_t b : scratch_sizes()) s += align_up(b, kAlign);
+    return s;
+  }
+
+  void upload(const WeightPlan& plan, bool progress) {
+    weights_.alloc(plan.bytes, "the weights");
+    uint8_t* staging[2] = {nullptr, nullptr};
+    cudaEvent_t done[2] = {nullptr, nullptr};
+    struct Cleanup {
+      uint8_t** s;
+      cudaEvent_t* e;
+      ~Cleanup() {
+        for (int i = 0; i < 2; ++i) {
+          if (e[i]) { cudaEventSynchronize(e[i]); cudaEventDestroy(e[i]); }
+          if (s[i]) cudaFreeHost(s[i]);
+        }
+      }
+    } cleanup{staging, done};
+    for (int i = 0; i < 2; ++i) {
+      check(cudaMallocHost(reinterpret_cast<void**>(&staging[i]), kStagingBytes), "upload failed: pinned staging buffer");
+      check(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming), "upload failed");
+    }
+    const bool bar = progress && isatty(fileno(stderr));
+    size_t sent = 0;
+    int last_pct = -1;
+    int buf = 0;
+    std::vector<float> row;
+    auto send = [&](const uint8_t* host, size_t n, size_t dst_off) {
+      check(cudaMemcpyAsync(weights_.as<uint8_t>(dst_off), host, n, cudaMemcpyHostToDevice, stream_), "upload failed");
+      check(cudaEventRecord(done[buf], stream_), "upload failed");
+      buf ^= 1;
+      sent += n;
+      if (bar) {
+        const int pct = static_cast<int>(100.0 * static_cast<double>(sent) / static_cast<double>(plan.bytes));
+        if (pct != last_pct) {
+          std::fprintf(stderr, "\rmoe-run: uploading weights to %s %3d%% (%.1f / %.1f GiB)", device_name_.c_str(), pct,
+                       sent / (kMiB * 1024), plan.bytes / (kMiB * 1024));
+          last_pct = pct;
+        }
+      }
+    };
+    for (const WeightPlan::Item& it : plan.items) {
+      const model::Tensor& t = *it.t;
+      if (it.as_f32) {
+        check(cudaEventSynchronize(done[buf]), "upload failed");
+        quant::dequantize_row(t.type, t.data, reinterpret_cast<float*>(staging[buf]), t.ne[0]);
+        send(staging[buf], static_cast<size_t>(t.ne[0]) * sizeof(float), it.offset);
+        continue;
+      }
+      const int64_t cols = t.ne[0], rows = t.ne[1] * t.ne[2] * t.ne[3];
+      const size_t src_row = gguf::row_bytes(t.type, cols);
+      const size_t dst_row = layout::dev_row_bytes(static_cast<uint32_t>(t.type), cols);
+      const int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(kStagingBytes / dst_row));
+      if (static_cast<size_t>(chunk) * dst_row > kStagingBytes)
+        fail(Exit::gpu_failed, "upload failed: a row of {} does not fit the staging buffer", t.info->name);
+      for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t nr = std::min(chunk, rows - r0);
+        check(cudaEventSynchronize(done[buf]), "upload failed");
+        repack_rows(t.type, t.data + r0 * src_row, staging[buf], cols, nr);
+        send(staging[buf], static_cast<size_t>(nr) * dst_row, it.offset + static_cast<size_t>(r0) * dst_row);
+      }
+    }
+    check(cudaStreamSynchronize(stream_), "upload failed");
+    if (bar) std::fprintf(stderr, "\r%*s\r", 90, "");
+
+    auto mat = [&](const model::Tensor& t, size_t off) {
+      k::Mat m;
+      m.data = weights_.as<uint8_t>(off);
+      m.type = static_cast<uint32_t>(t.type);
+      m.cols = static_cast<int32_t>(t.ne[0]);
+      m.rows = static_cast<int32_t>(t.ne[1]);
+      m.row_stride = static_cast<int64_t>(layout::dev_row_bytes(m.type, t.ne[0]));
+      m.expert_stride = m.row_stride * t.ne[1];
+      return m;
+    };
+    embd_ = mat(model_->token_embd, embd_off_);
+    output_ = c_.tied_output ? embd_ : mat(model_->output, out_off_);
+    out_norm_ = weights_.as<float>(out_norm_off_);
+    layers_.clear();
+    for (size_t l = 0; l < model_->layers.size(); ++l) {
+      const model::Layer& L = model_->layers[l];
+      const LayerOffsets& lo = layer_offs_[l];
+      DevLayer d;
+      d.q = mat(L.attn_q, lo.q);
+      d.k = mat(L.attn_k, lo.k);
+      d.v = mat(L.attn_v, lo.v);
+      d.o = mat(L.attn_output, lo.o);
+      d.router = mat(L.ffn_gate_inp, lo.router);
+      d.gate = mat(L.ffn_gate_exps, lo.gate);
+      d.up = mat(L.ffn_up_exps, lo.up);
+      d.down = mat(L.ffn_down_exps, lo.down);
+      d.attn_norm = weights_.as<float>(lo.attn_norm);
+      d.ffn_norm = weights_.as<float>(lo.ffn_norm);
+      d.q_norm = weights_.as<float>(lo.q_norm);
+      d.k_norm = weights_.as<float>(lo.k_norm);
+      layers_.push_back(d);
+    }
+  }
+
+  void alloc_scratch() {
+    kv_.alloc(kv_bytes(), "the KV cache");
+    const std::vector<size_t> sizes = scratch_sizes();
+    scratch_.alloc(scratch_bytes(), "scratch buffers");
+    check(cudaMemsetAsync(scratch_.ptr, 0, scratch_.bytes, stream_), "upload failed: clearing scratch");
+    std::vector<uint8_t*> p;
+    size_t off = 0;
+    for (size_t b : sizes) {
+      p.push_back(scratch_.as<uint8_t>(off));
+      off += align_up(b, kAlign);
+    }
+    x_ = reinterpret_cast<float*>(p[0]);
+    h_ = reinterpret_cast<float*>(p[1]);
+    qkv_ = reinterpret_cast<float*>(p[2]);
+    o_ = reinterpret_cast<float*>(p[3]);
+    router_logits_ = reinterpret_cast<float*>(p[4]);
+    ids_ = reinterpret_cast<int32_t*>(p[5]);
+    wts_ = reinterpret_cast<float*>(p[6]);
+    count_ = reinterpret_cast<int*>(p[7]);
+    offset_ = reinterpret_cast<int*>(p[8]);
+    token_of_slot_ = reinterpret_cast<int32_t*>(p[9]);
+    slot_of_ = reinterpret_cast<int32_t*>(p[10]);
+    act_ = reinterpret_cast<float*>(p[11]);
+    expert_out_ = reinterpret_cast<float*>(p[12]);
+    logits_.ptr = p[13];
+    partials_ = reinterpret_cast<float*>(p[14]);
+    counters_ = reinterpret_cast<int*>(p[15]);
+    route_scratch_ = reinterpret_cast<float*>(p[16]);
+    int32_t* small = reinterpret_cast<int32_t*>(p[17]);
+    route_counter_ = small;
+    token_ = small + 1;
+    pos_ = small + 2;
+    prefill_pos_ = small + 3;
+    argmax_.ptr = small + 4;
+    prefill_ids_ = reinterpret_cast<int32_t*>(p[18]);
+    check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
+    check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");
+  }
+
+  // ---- the forward -------------------------------------------------------------------------------------
+  k::Rope rope() const {
+    k::Rope r;
+    const float hd = static_cast<float>(c_.head_dim);
+    r.theta_scale = std::pow(c_.rope_base, -2.0f / hd);
+    r.mscale = c_.rope_attn_factor;
+    if (c_.rope_scaling != model::RopeScalingType::none) r.freq_scale = c_.rope_freq_scale;
+    if (c_.rope_scaling == model::RopeScalingType::yarn) {
+      auto corr = [&](float n_rot) {
+        const float n_orig = static_cast<float>(c_.rope_n_ctx_orig ? c_.rope_n_ctx_orig : c_.context_length);
+        return hd * std::log(n_orig / (n_rot * 2.0f * static_cast<float>(M_PI))) / (2.0f * std::log(c_.rope_base));
+      };
+      r.yarn = 1;
+      r.corr_lo = std::max(0.0f, std::floor(corr(32.0f)));
+      r.corr_hi = std::min(hd - 1, std::ceil(corr(1.0f)));
+      r.mscale *= 1.0f + 0.1f * std::log(1.0f / r.freq_scale);
+    }
+    return r;
+  }
+
+  void* k_cache(size_t l) const {
+    return kv_.as<uint8_t>(l * 2 * static_cast<size_t>(n_ctx_) * c_.kv_dim() * 2);
+  }
+  void* v_cache(size_t l) const {
+    return kv_.as<uint8_t>((l * 2 + 1) * static_cast<size_t>(n_ctx_) * c_.kv_dim() * 2);
+  }
+
+  // One decode token: reads the token id from token_ and its position from pos_.
+  void enqueue_decode(bool greedy) {
+    const char* step = "graph capture failed";
+    const int E = static_cast<int>(c_.n_embd), Q = static_cast<int>(c_.q_dim()), KV = static_cast<int>(c_.kv_dim());
+    const int K = static_cast<int>(c_.n_expert_used);
+    const float eps = c_.rms_eps;
+    const k::Rope rp = rope();
+    check(k::embed_rows(embd_, token_, 1, x_, stream_), step);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const DevLayer& L = layers_[l];
+      k::GemvOut qkv[3] = {{L.q, qkv_}, {L.k, qkv_ + Q}, {L.v, qkv_ + Q + KV}};
+      check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_), step);
+      check(k::qk_norm_rope_store(qkv_, 1, pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv, c_.head_dim, eps, rp,
+                                  k_cache(l), v_cache(l), stream_),
+            step);
+      check(k::attention(qkv_, Q + 2 * KV, 1, pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv, c_.head_dim,
+                         decode_splits(), partials_, counters_, o_, stream_),
+            step);
+      k::GemvOut out{L.o, x_};
+      check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
+      check(k::route_token(x_, L.ffn_norm, eps, L.router, K, h_, route_scratch_, route_counter_, ids_, wts_, stream_),
+            step);
+      check(k::expert_gate_up(L.gate, L.up, h_, ids_, K, act_, stream_), step);
+      check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_), step);
+    }
+    k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
+    check(k::gemv(&head, 1, x_, out_norm_, eps, false, stream_), step);
+    if (greedy) check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_.ptr, stream_), step);
+    (void)E;
+  }
+
+  void capture() {
+    for (int greedy = 0; greedy < 2; ++greedy) {
+      cudaGraph_t g = nullptr;
+      check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture failed");
+      try {
+        enqueue_decode(greedy != 0);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &g);
+        if (g) cudaGraphDestroy(g);
+        throw;
+      }
+      check(cudaStreamEndCapture(stream_, &g), "graph capture failed");
+      cudaGraphExec_t exec = nullptr;
+      cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+      cudaGraphDestroy(g);
+      check(e, "graph capture failed");
+      (greedy ? graph_greedy_ : graph_logits_) = exec;
+    }
+  }
+
+  void decode_step(int32_t token, bool greedy) {
+    if (n_past_ + 1 > n_ctx_)
+      fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
+    host_io_[0] = token;
+    host_io_[1] = static_cast<int32_t>(n_past_);
+    step_ = "a CUDA kernel failed at decode position";
+    check_step(cudaMemcpyAsync(token_, host_io_, 2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    check_step(cudaGraphLaunch(greedy ? graph_greedy_ : graph_logits_, stream_));
+  }
+
+  void prefill_chunk(const int32_t* tokens, int n, bool all_logits, bool last) {
+    if (n_past_ + n > n_ctx_)
+      fail(Exit::resources, "context is full: {} positions used + {} new tokens > context size {}", n_past_, n, n_ctx_);
+    step_ = "a CUDA kernel failed in the prefill at position";
+    const int E = static_cast<int>(c_.n_embd), Q = static_cast<int>(c_.q_dim()), KV = static_cast<int>(c_.kv_dim());
+    const int X = static_cast<int>(c_.n_expert), K = static_cast<int>(c_.n_expert_used);
+    const int qkv_stride = Q + 2 * KV;
+    const float eps = c_.rms_eps;
+    const k::Rope rp = rope();
+    host_io_[3] = static_cast<int32_t>(n_past_);
+    check_step(cudaMemcpyAsync(prefill_ids_, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    check_step(cudaMemcpyAsync(prefill_pos_, host_io_ + 3, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    check_step(k::embed_rows(embd_, prefill_ids_, n, x_, stream_));
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const DevLayer& L = layers_[l];
+      check_step(k::rmsnorm_rows(x_, L.attn_norm, n, E, E, eps, h_, stream_));
+      check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_));
+      check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_));
+      check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, stream_));
+      check_step(k::qk_norm_rope_store(qkv_, n, prefill_pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv,
+                                       c_.head_dim, eps, rp, k_cache(l), v_cache(l), stream_));
+      check_step(k::attention(qkv_, qkv_stride, n, prefill_pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv,
+                              c_.head_dim, 1, nullptr, nullptr, o_, stream_));
+      check_step(k::gemm(L.o, o_, Q, n, x_, E, true, stream_));
+      check_step(k::rmsnorm_rows(x_, L.ffn_norm, n, E, E, eps, h_, stream_));
+      check_step(k::gemm(L.router, h_, E, n, router_logits_, X, false, stream_));
+      check_step(k::topk_rows(router_logits_, n, X, K, ids_, wts_, stream_));
+      check_step(k::group_by_expert(ids_, n, K, X, count_, offset_, token_of_slot_, slot_of_, stream_));
+      check_step(k::expert_gate_up_grouped(L.gate, L.up, h_, E, count_, offset_, token_of_slot_, X, n, act_, stream_));
+      check_step(k::expert_down_grouped(L.down, act_, count_, offset_, X, n, expert_out_, stream_));
+      check_step(k::combine_experts(expert_out_, slot_of_, wts_, n, K, E, x_, stream_));
+    }
+    float* logits = static_cast<float*>(logits_.ptr);
+    if (all_logits) {
+      check_step(k::rmsnorm_rows(x_, out_norm_, n, E, E, eps, h_, stream_));
+      check_step(k::gemm(output_, h_, E, n, logits, output_.rows, false, stream_));
+    } else if (last) {
+      k::GemvOut head{output_, logits};
+      check_step(k::gemv(&head, 1, x_ + static_cast<size_t>(n - 1) * E, out_norm_, eps, false, stream_));
+    }
+  }
+
+  void check_tokens(std::span<const int32_t> tokens) {
+    if (tokens.empty()) fail(Exit::usage, "cuda forward: eval of an empty token list");
+    for (size_t i = 0; i < tokens.size(); ++i)
+      if (tokens[i] < 0 || tokens[i] >= embd_.rows)
+        fail(Exit::usage, "token id {} at position {} is outside the vocabulary (n_vocab {})", tokens[i],
+             n_past_ + static_cast<int64_t>(i), embd_.rows);
+  }
+
+  void check_step(cudaError_t e) {
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      fail(Exit::gpu_failed, "{} {}: {} ({})", step_, n_past_, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+  }
+  // Enqueues the last copy of a step and waits: kernel faults of the step surface here.
+  void finish(cudaError_t e, const char* what) {
+    check_step(e);
+    check_step(cudaStreamSynchronize(stream_));
+    (void)what;
+  }
+
+  struct LayerOffsets {
+    size_t q, k, v, o, router, gate, up, down, attn_norm, ffn_norm, q_norm, k_norm;
+  };
+
+  std::shared_ptr<const model::OwnedQuantizedModel> model_;
+  const model::ModelConfig& c_;
+  int device_ = 0;
+  std::string device_name_;
+  int64_t n_ctx_ = 0;
+  int64_t batch_ = 1;
+  int64_t n_past_ = 0;
+  const char* step_ = "";
+
+  DeviceBuffer weights_, kv_, scratch_;
+  size_t embd_off_ = 0, out_off_ = 0, out_norm_off_ = 0;
+  std::vector<LayerOffsets> layer_offs_;
+  k::Mat embd_, output_;
+  const float* out_norm_ = nullptr;
+  std::vector<DevLayer> layers_;
+
+  float *x_ = nullptr, *h_ = nullptr, *qkv_ = nullptr, *o_ = nullptr, *router_logits_ = nullptr, *wts_ = nullptr;
+  int32_t *ids_ = nullptr, *token_of_slot_ = nullptr, *slot_of_ = nullptr, *prefill_ids_ = nullptr;
+  int *count_ = nullptr, *offset_ = nullptr, *counters_ = nullptr, *route_counter_ = nullptr;
+  float *act_ = nullptr, *expert_out_ = nullptr, *partials_ = nullptr, *route_scratch_ = nullptr;
+  int32_t *token_ = nullptr, *pos_ = nullptr, *prefill_pos_ = nullptr;
+  struct {
+    void* ptr = nullptr;
+  } logits_;
+  struct {
+    int32_t* ptr = nullptr;
+  } argmax_;
+  int32_t* host_io_ = nullptr;  // pinned: token, pos, argmax, prefill pos
+
+  cudaStream_t stream_ = nullptr;
+  cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr;
+};
+
+}  // namespace
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Forward> make_forward(std::shared_ptr<const model::OwnedQuantizedModel> m, const Options& o,
+                                      DeviceInfo* info) {
+  if (!m) fail(Exit::gpu_failed, "the CUDA model would not build: no model");
+  return std::make_unique<CudaForward>(std::move(m), o, info);
+}
+
+}  // namespace moe::cuda

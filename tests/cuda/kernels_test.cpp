@@ -1,0 +1,382 @@
+// Each CUDA kernel against its CPU twin on fresh random inputs (outputs poisoned with NaN first,
+// odd sizes). The twins use quant::dequantize_row for the weights and double-precision sums.
+#include <algorithm>
+#include <numeric>
+
+#include "gpu.hpp"
+
+using namespace gpu_test;
+namespace k = moe::cuda::k;
+using moe::gguf::Type;
+
+namespace {
+
+int64_t cols_for(Type t, int64_t want) {
+  const int64_t b = std::max<int64_t>(32, moe::gguf::type_traits(t).block_elems);
+  return (want + b - 1) / b * b;
+}
+
+TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (Type t : all_types()) {
+    SCOPED_TRACE(moe::gguf::type_name(t));
+    const int64_t cols = cols_for(t, 768), rows = 37;
+    QMatrix W(t, rows, cols, rng);
+    std::vector<float> x = randn(cols, rng);
+    Dev<float> dx(x), dy(rows);
+    k::GemvOut out{W.mat(), dy.p};
+    ok(k::gemv(&out, 1, dx.p, nullptr, 0.f, false, nullptr));
+    ok(cudaDeviceSynchronize());
+    std::vector<float> y = dy.get();
+    for (int64_t r = 0; r < rows; ++r)
+      expect_close(y[r], dot(&W.deq[r * cols], x.data(), cols), abs_dot(&W.deq[r * cols], x.data(), cols), "gemv", r);
+  }
+}
+
+TEST(CudaKernels, GemvFusedNormThreeMatricesAndAccumulate) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t cols = 512;
+  QMatrix A(Type::Q4_K, 45, cols, rng), B(Type::Q6_K, 13, cols, rng), C(Type::Q8_0, 7, cols, rng);
+  std::vector<float> x = randn(cols, rng, 3.f), w = randn(cols, rng), y0 = randn(45, rng);
+  const float eps = 1e-6f;
+  Dev<float> dx(x), dw(w), ya(y0), yb(13), yc(7);
+  k::GemvOut outs[3] = {{A.mat(), ya.p}, {B.mat(), yb.p}, {C.mat(), yc.p}};
+  ok(k::gemv(outs, 3, dx.p, dw.p, eps, false, nullptr));
+  ok(cudaDeviceSynchronize());
+  std::vector<float> h = rmsnorm(x.data(), w.data(), cols, eps);
+  const QMatrix* mats[3] = {&A, &B, &C};
+  Dev<float>* ys[3] = {&ya, &yb, &yc};
+  for (int m = 0; m < 3; ++m) {
+    std::vector<float> y = ys[m]->get();
+    for (int64_t r = 0; r < mats[m]->rows; ++r) {
+      const float* row = &mats[m]->deq[r * cols];
+      expect_close(y[r], dot(row, h.data(), cols), abs_dot(row, h.data(), cols), "fused", r);
+    }
+  }
+  // accumulate: y += W x
+  ya.put(y0);
+  ok(k::gemv(outs, 1, dx.p, nullptr, 0.f, true, nullptr));
+  ok(cudaDeviceSynchronize());
+  std::vector<float> y = ya.get();
+  for (int64_t r = 0; r < 45; ++r) {
+    const float* row = &A.deq[r * cols];
+    expect_close(y[r], y0[r] + dot(row, x.data(), cols), std::fabs(y0[r]) + abs_dot(row, x.data(), cols), "acc", r);
+  }
+}
+
+TEST(CudaKernels, GemmEveryTypeMatchesDequantizedProduct) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (Type t : all_types()) {
+    SCOPED_TRACE(moe::gguf::type_name(t));
+    const int64_t cols = cols_for(t, 512), rows = 71, ntok = 67;
+    QMatrix W(t, rows, cols, rng);
+    std::vector<float> X = randn(ntok * cols, rng);
+    const int y_stride = rows + 3;
+    Dev<float> dX(X), dY(ntok * y_stride);
+    ok(k::gemm(W.mat(), dX.p, static_cast<int>(cols), static_cast<int>(ntok), dY.p, y_stride, false, nullptr));
+    ok(cudaDeviceSynchronize());
+    std::vector<float> Y = dY.get();
+    for (int64_t tk = 0; tk < ntok; ++tk)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = &W.deq[r * cols];
+        expect_close(Y[tk * y_stride + r], dot(row, &X[tk * cols], cols), abs_dot(row, &X[tk * cols], cols), "gemm",
+                     tk * rows + r);
+      }
+    // columns past `rows` in each output row stay untouched (NaN poison)
+    EXPECT_TRUE(std::isnan(Y[rows])) << "gemm wrote outside its rows";
+  }
+}
+
+TEST(CudaKernels, EmbedRowsDequantizesTheChosenRows) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  for (Type t : {Type::Q4_K, Type::Q6_K, Type::Q8_0, Type::F16}) {
+    QMatrix W(t, 50, 256, rng);
+    std::vector<int32_t> ids = {3, 49, 0, 17, 17};
+    Dev<int32_t> di(ids);
+    Dev<float> out(ids.size() * 256);
+    ok(k::embed_rows(W.mat(), di.p, 5, out.p, nullptr));
+    ok(cudaDeviceSynchronize());
+    std::vector<float> o = out.get();
+    for (size_t i = 0; i < ids.size(); ++i)
+      for (int c = 0; c < 256; ++c) ASSERT_EQ(o[i * 256 + c], W.deq[ids[i] * 256 + c]) << moe::gguf::type_name(t);
+  }
+}
+
+TEST(CudaKernels, RmsnormRowsAndArgmax) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  const int n = 5, cols = 288;
+  std::vector<float> x = randn(n * cols, rng, 2.f), w = randn(cols, rng);
+  Dev<float> dx(x), dw(w), dy(n * cols);
+  ok(k::rmsnorm_rows(dx.p, dw.p, n, cols, cols, 1e-6f, dy.p, nullptr));
+  ok(cudaDeviceSynchronize());
+  std::vector<float> y = dy.get();
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> ref = rmsnorm(&x[t * cols], w.data(), cols, 1e-6f);
+    for (int c = 0; c < cols; ++c) EXPECT_NEAR(y[t * cols + c], ref[c], 1e-5 * (std::fabs(ref[c]) + 1e-3));
+  }
+  std::vector<float> v = randn(151937, rng);
+  const int best = 123457;
+  v[best] = 100.f;
+  v[best + 1000] = 100.f;  // tie: the lower index wins
+  Dev<float> dv(v);
+  Dev<int32_t> di(1);
+  ok(k::argmax(dv.p, static_cast<int>(v.size()), di.p, nullptr));
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(di.get()[0], best);
+}
+
+// CPU twin of routing: softmax over all experts, top k (lowest id on ties), renormalised.
+void route_cpu(const std::vector<float>& logits, int k, std::vector<int>& ids, std::vector<float>& w) {
+  const int n = static_cast<int>(logits.size());
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> p(n);
+  double s = 0;
+  for (int i = 0; i < n; ++i) s += p[i] = std::exp(static_cast<double>(logits[i]) - mx);
+  for (double& v : p) v /= s;
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+  ids.assign(order.begin(), order.begin() + k);
+  double cs = 0;
+  for (int j = 0; j < k; ++j) cs += p[ids[j]];
+  w.resize(k);
+  for (int j = 0; j < k; ++j) w[j] = static_cast<float>(p[ids[j]] / std::max(cs, 6.103515625e-5));
+}
+
+TEST(CudaKernels, RouteTokenPicksTheTopExpertsOfTheNormalisedInput) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 512, X = 40, K = 6;
+  QMatrix R(Type::F32, X, E, rng, 0.2f);
+  std::vector<float> x = randn(E, rng, 2.f), w = randn(E, rng);
+  Dev<float> dx(x), dw(w), dh(E), scratch(X), dwt(K);
+  Dev<int32_t> dids(K), counter(std::vector<int32_t>{0});
+  ok(k::route_token(dx.p, dw.p, 1e-6f, R.mat(), K, dh.p, scratch.p, counter.p, dids.p, dwt.p, nullptr));
+  ok(cudaDeviceSynchronize());
+  std::vector<float> h = rmsnorm(x.data(), w.data(), E, 1e-6f);
+  std::vector<float> lg(X);
+  for (int i = 0; i < X; ++i) lg[i] = static_cast<float>(dot(&R.deq[i * E], h.data(), E));
+  std::vector<int> ids;
+  std::vector<float> wt;
+  route_cpu(lg, K, ids, wt);
+  std::vector<int32_t> gids = dids.get();
+  std::vector<float> gw = dwt.get(), gh = dh.get();
+  EXPECT_EQ(counter.get()[0], 0) << "the counter must be left at zero for the next launch";
+  for (int i = 0; i < E; ++i) EXPECT_NEAR(gh[i], h[i], 1e-5 * (std::fabs(h[i]) + 1e-3));
+  for (int j = 0; j < K; ++j) {
+    EXPECT_EQ(gids[j], ids[j]) << "rank " << j;
+    EXPECT_NEAR(gw[j], wt[j], 1e-5) << "rank " << j;
+  }
+  // topk_rows over the same logits gives the same choice
+  Dev<float> dl(lg), tw(K);
+  Dev<int32_t> tid(K);
+  ok(k::topk_rows(dl.p, 1, X, K, tid.p, tw.p, nullptr));
+  ok(cudaDeviceSynchronize());
+  std::vector<int32_t> tids = tid.get();
+  for (int j = 0; j < K; ++j) EXPECT_EQ(tids[j], ids[j]);
+}
+
+float silu(double g) { return static_cast<float>(g / (1.0 + std::exp(-g))); }
+
+TEST(CudaKernels, ExpertGateUpAndDownDecodeMatchTwin) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 512, F = 288, X = 9, K = 3;
+  for (Type t : {Type::Q4_K, Type::Q6_K, Type::Q8_0, Type::Q5_0}) {
+    SCOPED_TRACE(moe::gguf::type_name(t));
+    const int Fc = static_cast<int>(cols_for(t, F));
+    QMatrix G(t, X * Fc, E, rng), U(t, X * Fc, E, rng), D(t, X * E, Fc, rng);
+    std::vector<float> h = randn(E, rng), x = randn(E, rng);
+    std::vector<int32_t> ids = {7, 2, 8};
+    std::vector<float> wt = {0.5f, 0.3f, 0.2f};
+    Dev<float> dh(h), act(K * Fc), dx(x), dw(wt);
+    Dev<int32_t> di(ids);
+    ok(k::expert_gate_up(G.mat(Fc), U.mat(Fc), dh.p, di.p, K, act.p, nullptr));
+    ok(k::expert_down_add(D.mat(E), act.p, di.p, dw.p, K, dx.p, nullptr));
+    ok(cudaDeviceSynchronize());
+    std::vector<float> a = act.get(), y = dx.get();
+    std::vector<float> aref(K * Fc);
+    for (int j = 0; j < K; ++j)
+      for (int r = 0; r < Fc; ++r) {
+        const float* gr = &G.deq[(static_cast<int64_t>(ids[j]) * Fc + r) * E];
+        const float* ur = &U.deq[(static_cast<int64_t>(ids[j]) * Fc + r) * E];
+        const double g = dot(gr, h.data(), E), u = dot(ur, h.data(), E);
+        aref[j * Fc + r] = silu(g) * static_cast<float>(u);
+        EXPECT_NEAR(a[j * Fc + r], aref[j * Fc + r], 1e-4 * (abs_dot(gr, h.data(), E) * (1 + abs_dot(ur, h.data(), E))));
+      }
+    for (int r = 0; r < E; ++r) {
+      double s = 0, sa = std::fabs(x[r]);
+      for (int j = 0; j < K; ++j) {
+        const float* dr = &D.deq[(static_cast<int64_t>(ids[j]) * E + r) * Fc];
+        s += wt[j] * dot(dr, &a[j * Fc], Fc);
+        sa += wt[j] * abs_dot(dr, &a[j * Fc], Fc);
+      }
+      expect_close(y[r], x[r] + s, sa, "down", r);
+    }
+  }
+}
+
+TEST(CudaKernels, GroupedExpertGemmsMatchPerTokenTwin) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 256, F = 160, X = 6, K = 2, T = 83;
+  QMatrix G(Type::Q4_K, X * F, E, rng), U(Type::Q4_K, X * F, E, rng), D(Type::Q8_0, X * E, F, rng);
+  std::vector<float> h = randn(T * E, rng), x = randn(T * E, rng);
+  std::vector<int32_t> ids(T * K);
+  std::vector<float> wt(T * K);
+  std::uniform_int_distribution<int> pick(0, X - 1);
+  for (int t = 0; t < T; ++t) {
+    ids[t * K] = pick(rng);
+    do {
+      ids[t * K + 1] = pick(rng);
+    } while (ids[t * K + 1] == ids[t * K]);
+    wt[t * K] = 0.7f;
+    wt[t * K + 1] = 0.3f;
+  }
+  Dev<float> dh(h), dx(x), dw(wt), act(T * K * F), dout(T * K * E);
+  Dev<int32_t> di(ids), tos(T * K), slot(T * K);
+  Dev<int> count(X), offset(X);
+  ok(k::group_by_expert(di.p, T, K, X, count.p, offset.p, tos.p, slot.p, nullptr));
+  ok(k::expert_gate_up_grouped(G.mat(F), U.mat(F), dh.p, E, count.p, offset.p, tos.p, X, T, act.p, nullptr));
+  ok(k::expert_down_grouped(D.mat(E), act.p, count.p, offset.p, X, T, dout.p, nullptr));
+  ok(k::combine_experts(dout.p, slot.p, dw.p, T, K, E, dx.p, nullptr));
+  ok(cudaDeviceSynchronize());
+  std::vector<int> cnt = count.get();
+  for (int e = 0; e < X; ++e)
+    EXPECT_EQ(cnt[e], std::count(ids.begin(), ids.end(), e)) << "expert " << e;
+  std::vector<float> y = dx.get();
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> s(E, 0.0), sa(E, 0.0);
+    for (int j = 0; j < K; ++j) {
+      const int e = ids[t * K + j];
+      std::vector<float> a(F);
+      for (int r = 0; r < F; ++r) {
+        const float* gr = &G.deq[(static_cast<int64_t>(e) * F + r) * E];
+        const float* ur = &U.deq[(static_cast<int64_t>(e) * F + r) * E];
+        a[r] = silu(dot(gr, &h[t * E], E)) * static_cast<float>(dot(ur, &h[t * E], E));
+      }
+      for (int r = 0; r < E; ++r) {
+        const float* dr = &D.deq[(static_cast<int64_t>(e) * E + r) * F];
+        s[r] += wt[t * K + j] * dot(dr, a.data(), F);
+        sa[r] += wt[t * K + j] * abs_dot(dr, a.data(), F);
+      }
+    }
+    for (int r = 0; r < E; ++r)
+      EXPECT_NEAR(y[t * E + r], x[t * E + r] + s[r], 1e-4 * (sa[r] + std::fabs(x[t * E + r])) + 1e-5)
+          << "token " << t << " row " << r;
+  }
+}
+
+// CPU twin of the per-head norm + NEOX RoPE (incremental theta, as the CPU forward builds it).
+void norm_rope_cpu(float* v, const float* gain, int hd, int pos, float theta_scale, float eps) {
+  std::vector<float> y = rmsnorm(v, gain, hd, eps);
+  float theta = static_cast<float>(pos);
+  for (int i = 0; i < hd / 2; ++i) {
+    const double c = std::cos(theta), s = std::sin(theta);
+    const double a = y[i], b = y[i + hd / 2];
+    v[i] = static_cast<float>(a * c - b * s);
+    v[i + hd / 2] = static_cast<float>(a * s + b * c);
+    theta *= theta_scale;
+  }
+}
+
+TEST(CudaKernels, QkNormRopeStoreAndAttentionMatchTwin) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int hd : {64, 128}) {
+    const int n_head = 8, n_kv = 2, G = n_head / n_kv, ctx = 700;
+    const int Q = n_head * hd, KV = n_kv * hd, stride = Q + 2 * KV;
+    const float eps = 1e-6f, theta_scale = std::pow(1e6f, -2.0f / hd);
+    // a cache already holding `past` positions, then n new tokens
+    const int past = 611, n = 13;
+    std::vector<float> cache_k = randn(static_cast<size_t>(ctx) * KV, rng), cache_v = randn(static_cast<size_t>(ctx) * KV, rng);
+    std::vector<uint16_t> hk(cache_k.size()), hv(cache_v.size());
+    for (size_t i = 0; i < hk.size(); ++i) {
+      hk[i] = moe::quant::f32_to_fp16(cache_k[i]);
+      hv[i] = moe::quant::f32_to_fp16(cache_v[i]);
+      cache_k[i] = moe::quant::fp16_to_f32(hk[i]);
+      cache_v[i] = moe::quant::fp16_to_f32(hv[i]);
+    }
+    std::vector<float> qkv = randn(static_cast<size_t>(n) * stride, rng, 2.f), qn = randn(hd, rng), kn = randn(hd, rng);
+    Dev<float> dqkv(qkv), dqn(qn), dkn(kn);
+    Dev<uint16_t> dk(hk), dv(hv);
+    Dev<int32_t> dpos(std::vector<int32_t>{past});
+    moe::cuda::k::Rope rope;
+    rope.theta_scale = theta_scale;
+    ok(k::qk_norm_rope_store(dqkv.p, n, dpos.p, dqn.p, dkn.p, n_head, n_kv, hd, eps, rope, dk.p, dv.p, nullptr));
+    // twin of the norm/rope/store
+    for (int t = 0; t < n; ++t) {
+      float* row = &qkv[t * stride];
+      for (int h = 0; h < n_head; ++h) norm_rope_cpu(row + h * hd, qn.data(), hd, past + t, theta_scale, eps);
+      for (int g = 0; g < n_kv; ++g) {
+        norm_rope_cpu(row + Q + g * hd, kn.data(), hd, past + t, theta_scale, eps);
+        for (int d = 0; d < hd; ++d) {
+          cache_k[(past + t) * KV + g * hd + d] = moe::quant::fp16_to_f32(moe::quant::f32_to_fp16(row[Q + g * hd + d]));
+          cache_v[(past + t) * KV + g * hd + d] = moe::quant::fp16_to_f32(moe::quant::f32_to_fp16(row[Q + KV + g * hd + d]));
+        }
+      }
+    }
+    ok(cudaDeviceSynchronize());
+    std::vector<float> gq = dqkv.get();
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < Q; ++i) EXPECT_NEAR(gq[t * stride + i], qkv[t * stride + i], 2e-5 * (1 + std::fabs(qkv[t * stride + i])));
+    std::vector<uint16_t> gk = dk.get();
+    int kdiff = 0;
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < KV; ++i)
+        kdiff += std::fabs(moe::quant::fp16_to_f32(gk[(past + t) * KV + i]) - cache_k[(past + t) * KV + i]) >
+                 2e-3 * (1 + std::fabs(cache_k[(past + t) * KV + i]));
+    EXPECT_EQ(kdiff, 0);
+    // attention over the GPU's own q (checked above), several split counts
+    for (int n_split : {1, 5, 64}) {
+      SCOPED_TRACE(::testing::Message() << "hd " << hd << " n_split " << n_split);
+      Dev<float> out(static_cast<size_t>(n) * Q), partials(static_cast<size_t>(n) * n_kv * n_split * G * (hd + 2));
+      Dev<int> counters(std::vector<int>(n * n_kv, 0));
+      ok(k::attention(dqkv.p, stride, n, dpos.p, dk.p, dv.p, n_head, n_kv, hd, n_split, partials.p, counters.p, out.p,
+                      nullptr));
+      ok(cudaDeviceSynchronize());
+      std::vector<float> o = out.get();
+      for (int t = 0; t < n; ++t)
+        for (int h = 0; h < n_head; ++h) {
+          const int g = h / G, len = past + t + 1;
+          const float* q = &gq[t * stride + h * hd];
+          std::vector<double> s(len);
+          double mx = -1e300;
+          for (int p = 0; p < len; ++p) {
+            s[p] = dot(q, &cache_k[p * KV + g * hd], hd) / std::sqrt(static_cast<double>(hd));
+            mx = std::max(mx, s[p]);
+          }
+          double z = 0;
+          for (double& v : s) z += v = std::exp(v - mx);
+          for (int d = 0; d < hd; ++d) {
+            double acc = 0;
+            for (int p = 0; p < len; ++p) acc += s[p] * cache_v[p * KV + g * hd + d];
+            ASSERT_NEAR(o[t * Q + h * hd + d], acc / z, 2e-4) << "token " << t << " head " << h << " dim " << d;
+          }
+        }
+      std::vector<int> c = counters.get();
+      if (n_split > 1) EXPECT_EQ(*std::max_element(c.begin(), c.end()), 0);
+    }
+  }
+}
+
+}  // namespace
