@@ -1,6 +1,14 @@
 // Scalar kernels: activation quantization (llama.cpp's x86 rules), integer dot products per block,
 // and exact-mode dot products against weights dequantized one block at a time on the stack.
 // The SIMD kernels must produce the same integers and combine them in the same float order.
+// The fast-mode float steps must round exactly like the scalar kernels: no fused multiply-adds
+// unless written as intrinsics.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include <algorithm>
 #include <cmath>
 
