@@ -111,6 +111,8 @@ class CudaForward final : public Forward {
     check_tokens(tokens);
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t V = n_vocab();
+    if (n_past_ + n > n_ctx_)
+      fail(Exit::resources, "context is full: {} positions used + {} new tokens > context size {}", n_past_, n, n_ctx_);
     if (n == 1) {
       decode_step(tokens[0], false);
       logits.resize(static_cast<size_t>(V));

@@ -1,0 +1,191 @@
+// The whole CUDA forward against the CPU exact (FP32-activation) forward: both fixtures and a
+// moe-synth model of the Qwen3-30B-A3B layer geometry, prefill (logits at every position), decode
+// through the graph, and greedy decoding.
+//
+// Margin rule: a position's logits must reach cosine >= 0.9999. Greedy tokens must be identical
+// up to the first step whose CPU top-2 logit gap is below 1e-3 of the logit RMS (a near-tie that
+// rounding may flip; after it the sequences may legitimately part).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "gpu.hpp"
+#include "moe/cpu.hpp"
+#include "moe/error.hpp"
+#include "moe/model.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace gpu_test;
+using Model = std::shared_ptr<const moe::model::OwnedQuantizedModel>;
+
+double cosine(const float* a, const float* b, int64_t n) {
+  double ab = 0, aa = 0, bb = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ab += static_cast<double>(a[i]) * b[i];
+    aa += static_cast<double>(a[i]) * a[i];
+    bb += static_cast<double>(b[i]) * b[i];
+  }
+  return ab / std::sqrt(aa * bb);
+}
+
+int32_t argmax(const float* v, int64_t n) {
+  int64_t b = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] > v[b]) b = i;
+  return static_cast<int32_t>(b);
+}
+
+// Gap between the two largest logits, relative to the RMS of the row.
+double top2_gap(const float* v, int64_t n) {
+  double a = -1e300, b = -1e300, ss = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ss += static_cast<double>(v[i]) * v[i];
+    if (v[i] > a) {
+      b = a;
+      a = v[i];
+    } else if (v[i] > b) {
+      b = v[i];
+    }
+  }
+  return (a - b) / std::sqrt(ss / static_cast<double>(n));
+}
+
+std::vector<int32_t> prompt(int n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> d(0, vocab - 1);
+  std::vector<int32_t> ids(n);
+  for (int32_t& t : ids) t = static_cast<int32_t>(d(rng));
+  return ids;
+}
+
+void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  moe::quant::ThreadPool pool(static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
+  moe::cpu::Options co;
+  co.n_ctx = n_ctx;
+  co.mode = moe::quant::ActMode::exact;
+  co.pool = &pool;
+  auto cpu = moe::cpu::make_forward(m, co);
+  moe::cuda::Options go;
+  go.n_ctx = n_ctx;
+  go.max_batch = 32;  // the prompt runs in several chunks
+  moe::cuda::DeviceInfo info;
+  auto gpu = moe::cuda::make_forward(m, go, &info);
+  EXPECT_FALSE(info.name.empty());
+  EXPECT_GT(info.vram_used_mib, 0u);
+  const int64_t V = gpu->n_vocab();
+  ASSERT_EQ(V, cpu->n_vocab());
+
+  const std::vector<int32_t> ids = prompt(n_prompt, V, seed);
+  std::vector<float> lc, lg;
+  cpu->eval(ids, true, lc);
+  gpu->eval(ids, true, lg);
+  ASSERT_EQ(lg.size(), static_cast<size_t>(n_prompt * V));
+  double min_cos = 1;
+  for (int p = 0; p < n_prompt; ++p) {
+    const double c = cosine(&lc[p * V], &lg[p * V], V);
+    min_cos = std::min(min_cos, c);
+    EXPECT_GE(c, 0.9999) << "prefill position " << p;
+  }
+  std::printf("[          ] prefill %d positions: min cosine %.7f\n", n_prompt, min_cos);
+  EXPECT_EQ(gpu->n_past(), n_prompt);
+
+  // decode: logits through the graph, then greedy
+  int32_t tok = argmax(&lc[(n_prompt - 1) * V], V);
+  bool tied = top2_gap(&lc[(n_prompt - 1) * V], V) < 1e-3;
+  min_cos = 1;
+  int compared = 0;
+  for (int s = 0; s < n_decode && !tied; ++s) {
+    cpu->eval(std::span<const int32_t>(&tok, 1), false, lc);
+    if (s % 2 == 0) {
+      gpu->eval(std::span<const int32_t>(&tok, 1), false, lg);
+      const double c = cosine(lc.data(), lg.data(), V);
+      min_cos = std::min(min_cos, c);
+      EXPECT_GE(c, 0.9999) << "decode step " << s;
+      EXPECT_EQ(argmax(lg.data(), V), argmax(lc.data(), V)) << "decode step " << s;
+    } else {
+      EXPECT_EQ(gpu->eval_greedy(tok), argmax(lc.data(), V)) << "greedy step " << s;
+    }
+    ++compared;
+    tied = top2_gap(lc.data(), V) < 1e-3;
+    tok = argmax(lc.data(), V);
+  }
+  std::printf("[          ] decode %d steps compared: min cosine %.7f\n", compared, min_cos);
+  EXPECT_EQ(gpu->n_past(), cpu->n_past());
+
+  // reset empties the cache: the same prompt gives the same logits again
+  gpu->reset();
+  std::vector<float> again;
+  gpu->eval(std::span<const int32_t>(ids.data(), 5), false, again);
+  std::vector<float> first;
+  cpu->reset();
+  cpu->eval(std::span<const int32_t>(ids.data(), 5), false, first);
+  EXPECT_GE(cosine(first.data(), again.data(), V), 0.9999);
+}
+
+Model fixture(const char* stem) {
+  return moe::model::OwnedQuantizedModel::open(std::string(MOE_TEST_DATA) + "/" + stem + ".gguf");
+}
+
+TEST(CudaModel, TinyQ8_0MatchesCpuExact) {
+  REQUIRE_GPU();
+  compare_with_cpu(fixture("tiny-qwen3moe-q8_0"), 77, 24, 256);
+}
+
+TEST(CudaModel, TinyQ4_K_MMatchesCpuExact) {
+  REQUIRE_GPU();
+  compare_with_cpu(fixture("tiny-qwen3moe-q4_k_m"), 77, 24, 256);
+}
+
+// Full Qwen3-30B-A3B layer geometry (2048 wide, 32/4 heads of 128, 128 experts, 8 used, 768 expert
+// FFN, the full vocabulary), two layers so the CPU reference stays quick.
+TEST(CudaModel, SynthQwen3GeometryMatchesCpuExact) {
+  REQUIRE_GPU();
+  const fs::path dir = fs::temp_directory_path() / ("moe-cuda-test-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const fs::path file = dir / "synth.gguf";
+  const std::string cmd = std::string(MOE_BIN_DIR) + "/moe-synth -o " + file.string() +
+                          " --preset qwen3-30b-a3b --layers 2 --type q4_k_m --vocab " + MOE_TEST_DATA +
+                          "/ggml-vocab-qwen2.gguf --threads 8 > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  compare_with_cpu(moe::model::OwnedQuantizedModel::open(file.string()), 70, 16, 512);
+  fs::remove_all(dir);
+}
+
+TEST(CudaModel, FailuresAreErrorsNamingTheStep) {
+  REQUIRE_GPU();
+  Model m = fixture("tiny-qwen3moe-q8_0");
+  moe::cuda::Options o;
+  o.device = moe::cuda::device_count() + 3;
+  try {
+    moe::cuda::make_forward(m, o, nullptr);
+    FAIL() << "a missing device must throw";
+  } catch (const moe::Error& e) {
+    EXPECT_EQ(e.code(), moe::Exit::gpu_failed);
+    EXPECT_NE(std::string(e.what()).find("CUDA initialization failed"), std::string::npos) << e.what();
+  }
+  o.device = 0;
+  o.n_ctx = int64_t{1} << 40;  // a KV cache no GPU holds
+  try {
+    moe::cuda::make_forward(m, o, nullptr);
+    FAIL() << "an oversized cache must throw";
+  } catch (const moe::Error& e) {
+    EXPECT_EQ(e.code(), moe::Exit::gpu_failed);
+    EXPECT_NE(std::string(e.what()).find("does not fit"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MiB"), std::string::npos) << e.what();
+  }
+  o.n_ctx = 8;
+  auto f = moe::cuda::make_forward(m, o, nullptr);
+  std::vector<float> l;
+  std::vector<int32_t> ids(9, 1);
+  EXPECT_THROW(f->eval(ids, false, l), moe::Error);  // past n_ctx
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(f->n_vocab())};
+  EXPECT_THROW(f->eval(bad, false, l), moe::Error);
+}
+
+}  // namespace

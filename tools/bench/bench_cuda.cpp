@@ -1,0 +1,280 @@
+// The CUDA forward on a real model file, and its main kernels in GB/s beside the device-to-device
+// copy bandwidth measured in the same run.
+//
+//   MOE_BENCH_MODEL=model.gguf bench_cuda [--benchmark_filter=...]
+//
+// Counters: tok_per_s (decode at depth 0 and 4096, pp512), weights_GBps (bytes of weights read per
+// second: decode counts the attention/router/LM-head weights plus the 8 chosen experts of every
+// layer), copy_GBps (cudaMemcpy device to device, bytes read + written).
+#include <benchmark/benchmark.h>
+
+#if defined(MOE_HAVE_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "launch.cuh"
+#include "moe/cuda.hpp"
+#include "moe/model.hpp"
+#include "moe/quant.hpp"
+
+namespace {
+
+using moe::gguf::Type;
+namespace k = moe::cuda::k;
+
+void ck(cudaError_t e) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+// ---- copy bandwidth -------------------------------------------------------------------------------
+void BM_CopyBandwidth(benchmark::State& st) {
+  const size_t bytes = size_t{2} << 30;
+  void *a = nullptr, *b = nullptr;
+  ck(cudaMalloc(&a, bytes));
+  ck(cudaMalloc(&b, bytes));
+  ck(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  ck(cudaEventCreate(&e0));
+  ck(cudaEventCreate(&e1));
+  ck(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  double total_ms = 0;
+  for (auto _ : st) {
+    ck(cudaEventRecord(e0));
+    ck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    ck(cudaEventRecord(e1));
+    ck(cudaEventSynchronize(e1));
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, e0, e1));
+    st.SetIterationTime(ms / 1e3);
+    total_ms += ms;
+  }
+  st.counters["copy_GBps"] = 2.0 * bytes * st.iterations() / (total_ms / 1e3) / 1e9;
+  cudaFree(a);
+  cudaFree(b);
+}
+BENCHMARK(BM_CopyBandwidth)->UseManualTime()->Iterations(20)->Unit(benchmark::kMillisecond);
+
+// ---- kernels on random Q4_K weights of the Qwen3-30B-A3B shapes -------------------------------------
+// `rows` rows of `cols` Q4_K elements, built from 64 quantized random rows repeated (quantizing
+// hundreds of MB on the CPU would dominate the run).
+struct DevMatrix {
+  k::Mat m;
+  void* p = nullptr;
+  DevMatrix(Type t, int64_t rows, int64_t cols) {
+    std::mt19937_64 rng(42);
+    std::normal_distribution<float> d(0.f, 1.f);
+    const size_t rb = moe::gguf::row_bytes(t, cols);
+    const size_t db = moe::cuda::device_bytes(t, cols, 1);
+    std::vector<uint8_t> q(rb * 64), packed(db * 64);
+    std::vector<float> src(cols);
+    for (int r = 0; r < 64; ++r) {
+      for (float& v : src) v = d(rng);
+      moe::quant::quantize_row(t, src.data(), q.data() + r * rb, cols);
+    }
+    moe::cuda::repack_rows(t, q.data(), packed.data(), cols, 64);
+    ck(cudaMalloc(&p, db * rows));
+    for (int64_t r = 0; r < rows; r += 64)
+      ck(cudaMemcpy(static_cast<uint8_t*>(p) + r * db, packed.data(), db * std::min<int64_t>(64, rows - r),
+                    cudaMemcpyHostToDevice));
+    m.data = static_cast<uint8_t*>(p);
+    m.type = static_cast<uint32_t>(t);
+    m.rows = static_cast<int32_t>(rows);
+    m.cols = static_cast<int32_t>(cols);
+    m.row_stride = static_cast<int64_t>(db);
+    m.expert_stride = m.row_stride * rows;
+  }
+  ~DevMatrix() { cudaFree(p); }
+};
+
+float* dev_floats(size_t n) {
+  float* p = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(float)));
+  std::vector<float> h(n);
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (float& v : h) v = d(rng);
+  ck(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  return p;
+}
+
+template <typename F>
+void time_kernel(benchmark::State& st, double bytes_per_call, F&& launch) {
+  cudaEvent_t e0, e1;
+  ck(cudaEventCreate(&e0));
+  ck(cudaEventCreate(&e1));
+  for (int i = 0; i < 5; ++i) ck(launch());
+  double total_ms = 0;
+  constexpr int kReps = 50;
+  for (auto _ : st) {
+    ck(cudaEventRecord(e0));
+    for (int i = 0; i < kReps; ++i) ck(launch());
+    ck(cudaEventRecord(e1));
+    ck(cudaEventSynchronize(e1));
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, e0, e1));
+    st.SetIterationTime(ms / 1e3 / kReps);
+    total_ms += ms / kReps;
+  }
+  st.counters["weights_GBps"] = bytes_per_call * st.iterations() / (total_ms / 1e3) / 1e9;
+  st.counters["us_per_call"] = total_ms * 1e3 / st.iterations();
+}
+
+void BM_GemvLmHeadQ6K(benchmark::State& st) {
+  DevMatrix W(Type::Q6_K, 151936, 2048);
+  float* x = dev_floats(2048);
+  float* y = dev_floats(151936);
+  k::GemvOut o{W.m, y};
+  time_kernel(st, static_cast<double>(W.m.row_stride) * W.m.rows,
+              [&] { return k::gemv(&o, 1, x, nullptr, 0.f, false, nullptr); });
+  cudaFree(x);
+  cudaFree(y);
+}
+BENCHMARK(BM_GemvLmHeadQ6K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GemvQkvQ4K(benchmark::State& st) {
+  DevMatrix Wq(Type::Q4_K, 4096, 2048), Wk(Type::Q4_K, 512, 2048), Wv(Type::Q6_K, 512, 2048);
+  float* x = dev_floats(2048);
+  float* w = dev_floats(2048);
+  float* y = dev_floats(5120);
+  k::GemvOut o[3] = {{Wq.m, y}, {Wk.m, y + 4096}, {Wv.m, y + 4608}};
+  const double bytes = static_cast<double>(Wq.m.row_stride) * 4096 + Wk.m.row_stride * 512.0 + Wv.m.row_stride * 512.0;
+  time_kernel(st, bytes, [&] { return k::gemv(o, 3, x, w, 1e-6f, false, nullptr); });
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(y);
+}
+BENCHMARK(BM_GemvQkvQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ExpertGateUpQ4K(benchmark::State& st) {
+  DevMatrix G(Type::Q4_K, 128 * 768, 2048), U(Type::Q4_K, 128 * 768, 2048);
+  G.m.rows = U.m.rows = 768;
+  G.m.expert_stride = U.m.expert_stride = G.m.row_stride * 768;
+  float* h = dev_floats(2048);
+  float* act = dev_floats(8 * 768);
+  int32_t* ids = nullptr;
+  std::vector<int32_t> hid = {3, 17, 40, 77, 90, 101, 115, 127};
+  ck(cudaMalloc(reinterpret_cast<void**>(&ids), 32));
+  ck(cudaMemcpy(ids, hid.data(), 32, cudaMemcpyHostToDevice));
+  time_kernel(st, 2.0 * 8 * 768 * G.m.row_stride, [&] { return k::expert_gate_up(G.m, U.m, h, ids, 8, act, nullptr); });
+  cudaFree(h);
+  cudaFree(act);
+  cudaFree(ids);
+}
+BENCHMARK(BM_ExpertGateUpQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ExpertDownQ6K(benchmark::State& st) {
+  DevMatrix D(Type::Q6_K, 128 * 2048, 768);
+  D.m.rows = 2048;
+  D.m.expert_stride = D.m.row_stride * 2048;
+  float* act = dev_floats(8 * 768);
+  float* x = dev_floats(2048);
+  float* w = dev_floats(8);
+  int32_t* ids = nullptr;
+  std::vector<int32_t> hid = {3, 17, 40, 77, 90, 101, 115, 127};
+  ck(cudaMalloc(reinterpret_cast<void**>(&ids), 32));
+  ck(cudaMemcpy(ids, hid.data(), 32, cudaMemcpyHostToDevice));
+  time_kernel(st, 8.0 * 2048 * D.m.row_stride, [&] { return k::expert_down_add(D.m, act, ids, w, 8, x, nullptr); });
+  cudaFree(act);
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(ids);
+}
+BENCHMARK(BM_ExpertDownQ6K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// ---- the whole forward ---------------------------------------------------------------------------------
+struct Loaded {
+  std::shared_ptr<const moe::model::OwnedQuantizedModel> model;
+  std::unique_ptr<moe::Forward> fwd;
+  double bytes_per_token = 0;
+};
+Loaded* loaded() {
+  static std::unique_ptr<Loaded> l;
+  if (l) return l.get();
+  const char* path = std::getenv("MOE_BENCH_MODEL");
+  if (!path) return nullptr;
+  l = std::make_unique<Loaded>();
+  l->model = moe::model::OwnedQuantizedModel::open(path);
+  moe::cuda::Options o;
+  o.n_ctx = 8192;
+  moe::cuda::DeviceInfo info;
+  l->fwd = moe::cuda::make_forward(l->model, o, &info);
+  std::fprintf(stderr, "model %s on %s: %lu MiB VRAM, resident in %.0f ms\n", path, info.name.c_str(),
+               static_cast<unsigned long>(info.vram_used_mib), info.upload_ms);
+  const auto& c = l->model->config;
+  double b = static_cast<double>(l->model->output.info->nbytes);
+  for (const auto& L : l->model->layers) {
+    b += L.attn_q.info->nbytes + L.attn_k.info->nbytes + L.attn_v.info->nbytes + L.attn_output.info->nbytes +
+         L.ffn_gate_inp.info->nbytes;
+    b += (static_cast<double>(L.ffn_gate_exps.info->nbytes) + L.ffn_up_exps.info->nbytes + L.ffn_down_exps.info->nbytes) *
+         c.n_expert_used / c.n_expert;
+  }
+  l->bytes_per_token = b;
+  return l.get();
+}
+
+std::vector<int32_t> some_tokens(int n, int64_t vocab) {
+  std::mt19937_64 rng(1234);
+  std::uniform_int_distribution<int64_t> d(0, std::min<int64_t>(vocab, 150000) - 1);
+  std::vector<int32_t> v(n);
+  for (int32_t& t : v) t = static_cast<int32_t>(d(rng));
+  return v;
+}
+
+void BM_Decode(benchmark::State& st) {
+  Loaded* l = loaded();
+  if (!l) {
+    st.SkipWithError("MOE_BENCH_MODEL is not set");
+    return;
+  }
+  const int depth = static_cast<int>(st.range(0));
+  l->fwd->reset();
+  std::vector<float> logits;
+  if (depth > 0) l->fwd->eval(some_tokens(depth, l->fwd->n_vocab()), false, logits);
+  int32_t tok = 1000;
+  const int64_t start = l->fwd->n_past();
+  for (auto _ : st) {
+    if (l->fwd->n_past() >= start + 256) {  // stay near the depth asked for
+      st.PauseTiming();
+      l->fwd->reset();
+      if (depth > 0) l->fwd->eval(some_tokens(depth, l->fwd->n_vocab()), false, logits);
+      st.ResumeTiming();
+    }
+    tok = l->fwd->eval_greedy(tok);
+  }
+  st.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(st.iterations()), benchmark::Counter::kIsRate);
+  st.counters["weights_GBps"] =
+      benchmark::Counter(l->bytes_per_token * st.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_Decode)->Arg(0)->Arg(4096)->Iterations(256)->Unit(benchmark::kMicrosecond);
+
+void BM_Prefill(benchmark::State& st) {
+  Loaded* l = loaded();
+  if (!l) {
+    st.SkipWithError("MOE_BENCH_MODEL is not set");
+    return;
+  }
+  const int n = static_cast<int>(st.range(0));
+  const std::vector<int32_t> ids = some_tokens(n, l->fwd->n_vocab());
+  std::vector<float> logits;
+  l->fwd->reset();
+  l->fwd->eval(ids, false, logits);  // warm-up
+  for (auto _ : st) {
+    l->fwd->reset();
+    l->fwd->eval(ids, false, logits);
+  }
+  st.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(st.iterations()) * n, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_Prefill)->Arg(512)->Iterations(5)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+#endif
+
+BENCHMARK_MAIN();
