@@ -1,5 +1,6 @@
 // --inspect (model summary) and --tokenize (prompt ids; needs only the vocabulary).
 #include <map>
+#include <optional>
 #include <ostream>
 
 #include <fmt/format.h>
@@ -64,17 +65,38 @@ TensorStats tensor_stats(const gguf::File& f) {
   return s;
 }
 
+std::string architecture(const gguf::File& f) {
+  const auto a = f.opt_string("general.architecture");
+  return a ? std::string(*a) : std::string("(none)");
+}
+
+// The config, or nothing (with the reason) for a file that is not a runnable model, e.g. a
+// vocabulary-only GGUF: --inspect still describes it.
+std::optional<model::ModelConfig> try_config(const gguf::File& f, std::string& why) {
+  try {
+    return model::ModelConfig::from_gguf(f);
+  } catch (const Error& e) {
+    if (e.code() != Exit::unsupported) throw;
+    why = e.what();
+    return std::nullopt;
+  }
+}
+
 }  // namespace
 
 void write_summary(const gguf::File& f, std::ostream& os) {
-  const auto c = model::ModelConfig::from_gguf(f);
   const auto ts = tensor_stats(f);
   os << fmt::format("model: {}\n", f.path());
   os << fmt::format("file: {} bytes ({:.2f} MiB), GGUF v{}\n", f.file_size(),
                     static_cast<double>(f.file_size()) / (1024.0 * 1024.0), f.version());
-  os << fmt::format("architecture: {}\n", c.arch);
-  os << "hyperparameters:\n";
-  for (const auto& [k, v] : hyperparameters(c)) os << fmt::format("  {:<20} {}\n", k, v);
+  os << fmt::format("architecture: {}\n", architecture(f));
+  std::string why;
+  if (auto c = try_config(f, why)) {
+    os << "hyperparameters:\n";
+    for (const auto& [k, v] : hyperparameters(*c)) os << fmt::format("  {:<20} {}\n", k, v);
+  } else {
+    os << "hyperparameters: unavailable, this is not a model moe-run can run: " << why << '\n';
+  }
   std::string types;
   for (const auto& [name, n] : ts.by_type) types += fmt::format("{}{} x{}", types.empty() ? "" : ", ", name, n);
   os << fmt::format("tensors: {} ({} bytes, {:.2f} MiB): {}\n", ts.count, ts.bytes,
@@ -96,10 +118,12 @@ int inspect(const RunConfig& cfg, bool as_json, std::ostream& out) {
     out.flush();
     return 0;
   }
-  const auto c = model::ModelConfig::from_gguf(*file);
+  std::string why;
+  const auto c = try_config(*file, why);
   const auto ts = tensor_stats(*file);
   json::Object hp;
-  for (const auto& [k, v] : hyperparameters(c)) hp.raw(k, v);
+  if (c)
+    for (const auto& [k, v] : hyperparameters(*c)) hp.raw(k, v);
   json::Object types;
   for (const auto& [name, n] : ts.by_type) types.raw(name, json::num(static_cast<int64_t>(n)));
   json::Object tokj;
@@ -122,8 +146,10 @@ int inspect(const RunConfig& cfg, bool as_json, std::ostream& out) {
              .str("model", cfg.model_path)
              .raw("file_size", json::num(static_cast<int64_t>(file->file_size())))
              .raw("gguf_version", json::num(int64_t{file->version()}))
-             .str("arch", c.arch)
-             .raw("hyperparameters", hp.done())
+             .str("arch", c ? c->arch : architecture(*file))
+             .raw("supported", json::boolean(c.has_value()))
+             .raw("unsupported_reason", c ? std::string("null") : json::quote(why))
+             .raw("hyperparameters", c ? hp.done() : std::string("null"))
              .raw("tensors", json::Object()
                                  .raw("count", json::num(static_cast<int64_t>(ts.count)))
                                  .raw("bytes", json::num(static_cast<int64_t>(ts.bytes)))
