@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
-#include <unordered_map>
 
 #include "internal.hpp"
 
@@ -72,6 +72,74 @@ void partition(const detail::SpecialSet& set, std::string_view text, std::vector
   if (at < n) out.push_back({at, n, -1});
 }
 
+// Word -> ids cache for one encode call: open addressing over a flat array; keys point into the
+// text being encoded (or its sanitized copy), values into one shared id buffer.
+class WordCache {
+ public:
+  struct Slot {
+    const char* key = nullptr;
+    uint32_t len = 0;
+    uint32_t hash = 0;
+    uint32_t ids_off = 0;
+    uint32_t ids_len = 0;
+  };
+  explicit WordCache(size_t expected) {
+    size_t cap = 64;
+    while (cap < expected * 2) cap <<= 1;
+    slots_.resize(cap);
+    mask_ = cap - 1;
+  }
+  // The slot holding `w`, or the empty slot where it belongs (key == nullptr).
+  Slot& find(std::string_view w) {
+    const uint32_t h = hash(w);
+    size_t i = h & mask_;
+    while (true) {
+      Slot& s = slots_[i];
+      if (!s.key || (s.hash == h && s.len == w.size() && std::memcmp(s.key, w.data(), w.size()) == 0)) {
+        if (!s.key) s.hash = h;
+        return s;
+      }
+      i = (i + 1) & mask_;
+    }
+  }
+  void filled() {
+    if (++used_ * 2 > slots_.size()) grow();
+  }
+
+ private:
+  static uint32_t hash(std::string_view w) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ w.size();
+    const char* p = w.data();
+    size_t n = w.size();
+    while (n >= 8) {
+      uint64_t v;
+      std::memcpy(&v, p, 8);
+      h = (h ^ v) * 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 31;
+      p += 8, n -= 8;
+    }
+    uint64_t v = 0;
+    std::memcpy(&v, p, n);
+    h = (h ^ v) * 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    return uint32_t(h ^ (h >> 32));
+  }
+  void grow() {
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    mask_ = slots_.size() - 1;
+    for (const Slot& s : old) {
+      if (!s.key) continue;
+      size_t i = s.hash & mask_;
+      while (slots_[i].key) i = (i + 1) & mask_;
+      slots_[i] = s;
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  size_t used_ = 0;
+};
+
 // Per-call state: scratch buffers and the word -> ids cache (words repeat a lot in real text).
 struct Session {
   const Tokenizer::Impl& t;
@@ -86,11 +154,12 @@ struct Session {
     int32_t right, lid, rid, result;
   };
   std::vector<Cand> heap;
-  std::unordered_map<std::string_view, std::pair<uint32_t, uint32_t>> cache;
+  WordCache cache;
   std::vector<int32_t> cache_ids;
   std::deque<std::string> owned;  // sanitized fragments the cache keys point into (never move)
 
-  explicit Session(const Tokenizer::Impl& impl) : t(impl) {}
+  Session(const Tokenizer::Impl& impl, size_t text_bytes)
+      : t(impl), cache(std::min<size_t>(text_bytes / 4 + 16, size_t(1) << 16)) {}
 
   void push_pair(int32_t left) {
     if (left < 0) return;
@@ -139,17 +208,20 @@ struct Session {
   }
 
   void word(std::string_view w, std::vector<int32_t>& out) {
-    const auto it = cache.find(w);
-    if (it != cache.end()) {
-      out.insert(out.end(), cache_ids.begin() + it->second.first,
-                 cache_ids.begin() + it->second.first + it->second.second);
+    WordCache::Slot& slot = cache.find(w);
+    if (slot.key) {
+      out.insert(out.end(), cache_ids.begin() + slot.ids_off,
+                 cache_ids.begin() + slot.ids_off + slot.ids_len);
       return;
     }
     const size_t before = out.size();
     bpe(w, out);
-    const auto start = uint32_t(cache_ids.size());
+    slot.key = w.data();
+    slot.len = uint32_t(w.size());
+    slot.ids_off = uint32_t(cache_ids.size());
+    slot.ids_len = uint32_t(out.size() - before);
     cache_ids.insert(cache_ids.end(), out.begin() + long(before), out.end());
-    cache.emplace(w, std::make_pair(start, uint32_t(out.size() - before)));
+    cache.filled();  // may rehash: `slot` is not used after this
   }
 
   void fragment(std::string_view raw, std::vector<int32_t>& out) {
@@ -176,8 +248,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
   out.reserve(text.size() / 3 + 4);
   std::vector<Segment> segs;
   partition(parse_special ? t.special_all : t.special_user, text, segs);
-  Session s(t);
-  s.cache.reserve(std::min<size_t>(text.size() / 4 + 16, 1u << 16));
+  Session s(t, text.size());
   for (const Segment& g : segs) {
     if (g.id >= 0) {
       out.push_back(g.id);

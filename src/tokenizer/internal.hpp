@@ -18,7 +18,13 @@ namespace moe::tok::detail {
 // that "no flags" only ever means "past the end of the fragment", as in llama.cpp's matcher.
 enum CpFlags : uint8_t { kDefined = 1, kLetter = 2, kNumber = 4, kSpace = 8, kMark = 16 };
 
-uint8_t cp_flags(uint32_t cp);  // from libutf8proc's general category (+ White_Space)
+uint8_t cp_flags_lookup(uint32_t cp);  // from libutf8proc's general category (+ White_Space)
+struct AsciiFlags {
+  AsciiFlags();
+  uint8_t v[128];
+};
+extern const AsciiFlags kAsciiFlags;  // cp_flags_lookup of 0..127, computed once at start-up
+inline uint8_t cp_flags(uint32_t cp) { return cp < 128 ? kAsciiFlags.v[cp] : cp_flags_lookup(cp); }
 
 // Decodes one well-formed UTF-8 sequence at s[i] (strict: no overlongs, surrogates or values above
 // U+10FFFF). Returns its length (1..4) and sets cp, or 0 when the bytes there are not well-formed.
@@ -42,6 +48,80 @@ struct SplitScratch {
   std::vector<uint32_t> offs;  // byte offset of each code point, plus the total at the end
 };
 void split_qwen2(std::string_view text, std::vector<uint32_t>& ends, SplitScratch& s);
+
+// ---- hashing ------------------------------------------------------------------------------------
+// A fast hash for short byte strings (words, token texts): 8 bytes per step, multiply-xorshift mix.
+inline uint32_t hash_bytes(std::string_view w) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ w.size();
+  const char* p = w.data();
+  size_t n = w.size();
+  while (n >= 8) {
+    uint64_t v;
+    __builtin_memcpy(&v, p, 8);
+    h = (h ^ v) * 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+    p += 8, n -= 8;
+  }
+  uint64_t v = 0;
+  __builtin_memcpy(&v, p, n);
+  h = (h ^ v) * 0x94D049BB133111EBull;
+  h ^= h >> 29;
+  return uint32_t(h ^ (h >> 32));
+}
+
+// String -> symbol id over a flat array of (hash, id); the strings themselves live in `texts`
+// (views that stay valid while the index is used).
+class SymbolIndex {
+ public:
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < n * 2) cap <<= 1;
+    slots_.assign(cap, Slot{0, -1});
+    mask_ = cap - 1;
+  }
+  int32_t find(std::string_view s, const std::vector<std::string_view>& texts) const {
+    const uint32_t h = hash_bytes(s);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& e = slots_[i];
+      if (e.id < 0) return -1;
+      if (e.hash == h && texts[size_t(e.id)] == s) return e.id;
+    }
+  }
+  // Maps texts[id] to id, replacing an earlier id with the same text when `replace`.
+  void put(int32_t id, const std::vector<std::string_view>& texts, bool replace) {
+    if ((used_ + 1) * 2 > slots_.size()) grow(texts);
+    const std::string_view s = texts[size_t(id)];
+    const uint32_t h = hash_bytes(s);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      Slot& e = slots_[i];
+      if (e.id < 0) {
+        e = {h, id};
+        ++used_;
+        return;
+      }
+      if (e.hash == h && texts[size_t(e.id)] == s) {
+        if (replace) e.id = id;
+        return;
+      }
+    }
+  }
+
+ private:
+  struct Slot {
+    uint32_t hash;
+    int32_t id;
+  };
+  void grow(const std::vector<std::string_view>& texts) {
+    std::vector<Slot> old = std::move(slots_);
+    reserve(std::max<size_t>(16, old.size()));
+    used_ = 0;
+    for (const Slot& e : old)
+      if (e.id >= 0) put(e.id, texts, false);
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  size_t used_ = 0;
+};
 
 // ---- merge table --------------------------------------------------------------------------------
 // Open-addressing map (left symbol, right symbol) -> (rank, merged symbol): one probe sequence over
@@ -112,8 +192,10 @@ struct Tokenizer::Impl {
   std::vector<std::string> pieces;  // detokenized bytes per token (special rendering on)
 
   // BPE symbols: ids < n_vocab are tokens; larger ids are merge strings missing from the vocabulary.
-  std::unordered_map<std::string_view, int32_t> sym_id;  // string -> symbol (last token id wins)
-  std::deque<std::string> extra_text;                    // text of symbols >= n_vocab
+  std::deque<std::string> extra_text;       // text of symbols >= n_vocab
+  std::vector<std::string_view> sym_text;   // text of every symbol (into text / extra_text)
+  detail::SymbolIndex sym_index;            // text -> symbol (the last token id with that text)
+  int32_t sym_id(std::string_view s) const { return sym_index.find(s, sym_text); }
   std::array<int32_t, 256> byte_sym{};                   // raw byte -> initial symbol
   detail::MergeMap merges;
   size_t n_merges = 0;
@@ -127,11 +209,13 @@ struct Tokenizer::Impl {
   std::vector<uint8_t> eog_flag;    // per token
   std::optional<std::string> chat_template;
 
-  const std::string& symbol_text(int32_t sym) const {
-    return sym < n_vocab ? text[size_t(sym)] : extra_text[size_t(sym - n_vocab)];
-  }
+  std::string_view symbol_text(int32_t sym) const { return sym_text[size_t(sym)]; }
   // Appends the final ids for one BPE symbol (llama.cpp's per-byte fallback for missing strings).
-  void emit_symbol(int32_t sym, std::vector<int32_t>& out) const;
+  void emit_symbol(int32_t sym, std::vector<int32_t>& out) const {
+    if (sym < n_vocab) out.push_back(sym);
+    else emit_missing(sym, out);
+  }
+  void emit_missing(int32_t sym, std::vector<int32_t>& out) const;
 };
 
 }  // namespace moe::tok

@@ -18,10 +18,17 @@ inline uint32_t ascii_lower(uint32_t c) { return (c >= 'A' && c <= 'Z') ? c + 32
 void split_qwen2(std::string_view text, std::vector<uint32_t>& ends, SplitScratch& s) {
   const auto* p = reinterpret_cast<const unsigned char*>(text.data());
   const size_t nb = text.size();
-  s.cps.clear();
-  s.flags.clear();
-  s.offs.clear();
   // Decode once; the caller guarantees valid UTF-8 (invalid bytes were replaced by U+FFFD).
+  // Sized for the worst case (one code point per byte) and written by index: no per-element checks.
+  if (s.cps.size() < nb + 1) {
+    s.cps.resize(nb + 1);
+    s.flags.resize(nb + 1);
+    s.offs.resize(nb + 1);
+  }
+  uint32_t* cp_out = s.cps.data();
+  uint8_t* fl_out = s.flags.data();
+  uint32_t* off_out = s.offs.data();
+  size_t n = 0;
   for (size_t i = 0; i < nb;) {
     uint32_t cp;
     size_t len;
@@ -35,14 +42,14 @@ void split_qwen2(std::string_view text, std::vector<uint32_t>& ends, SplitScratc
         len = 1;
       }
     }
-    s.cps.push_back(cp);
-    s.flags.push_back(cp_flags(cp));
-    s.offs.push_back(uint32_t(i));
+    cp_out[n] = cp;
+    fl_out[n] = cp_flags(cp);
+    off_out[n] = uint32_t(i);
+    ++n;
     i += len;
   }
-  s.offs.push_back(uint32_t(nb));
+  off_out[n] = uint32_t(nb);
 
-  const size_t n = s.cps.size();
   const uint32_t* cps = s.cps.data();
   const uint8_t* fl = s.flags.data();
   auto cpt_at = [&](size_t i) -> uint32_t { return i < n ? cps[i] : kOutOfRange; };

@@ -43,14 +43,6 @@ uint8_t classify(uint32_t cp) {
   return f;
 }
 
-struct AsciiTable {
-  std::array<uint8_t, 128> flags{};
-  AsciiTable() {
-    for (uint32_t c = 0; c < 128; ++c) flags[c] = classify(c);
-  }
-};
-const AsciiTable kAscii;
-
 struct ByteMap {
   std::array<uint32_t, 256> to_cp{};
   std::array<int16_t, 324> from_cp{};  // code points 0..323 cover every mapped value
@@ -75,7 +67,12 @@ const ByteMap& byte_map() {
 
 }  // namespace
 
-uint8_t cp_flags(uint32_t cp) { return cp < 128 ? kAscii.flags[cp] : classify(cp); }
+uint8_t cp_flags_lookup(uint32_t cp) { return classify(cp); }
+
+AsciiFlags::AsciiFlags() {
+  for (uint32_t c = 0; c < 128; ++c) v[c] = classify(c);
+}
+const AsciiFlags kAsciiFlags;
 
 size_t utf8_decode(const unsigned char* s, size_t n, size_t i, uint32_t& cp) {
   const unsigned c = s[i];

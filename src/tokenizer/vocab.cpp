@@ -55,6 +55,11 @@ constexpr std::string_view kRoleKeys[kRoles] = {
     "tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.fim_pad_token_id",
     "tokenizer.ggml.fim_rep_token_id", "tokenizer.ggml.fim_sep_token_id",
 };
+// Every text the auto-detection looks for starts with one of these and is short: a cheap filter.
+bool maybe_named(std::string_view t) {
+  return t.size() >= 3 && t.size() <= 24 && (t[0] == '<' || t[0] == '[' || t[0] == '_');
+}
+
 bool role_text(int role, std::string_view t) {
   auto any = [&](std::initializer_list<std::string_view> l) {
     return std::find(l.begin(), l.end(), t) != l.end();
@@ -161,15 +166,11 @@ void build_special_set(const Tokenizer::Impl& t, bool parse_special, detail::Spe
 
 }  // namespace
 
-void Tokenizer::Impl::emit_symbol(int32_t sym, std::vector<int32_t>& out) const {
-  if (sym < n_vocab) {
-    out.push_back(sym);
-    return;
-  }
+void Tokenizer::Impl::emit_missing(int32_t sym, std::vector<int32_t>& out) const {
   // A merge produced a string the vocabulary lacks: llama.cpp looks up each byte of it alone.
   for (char c : symbol_text(sym)) {
-    const auto it = sym_id.find(std::string_view(&c, 1));
-    if (it != sym_id.end() && it->second < n_vocab) out.push_back(it->second);
+    const int32_t id = sym_id(std::string_view(&c, 1));
+    if (id >= 0 && id < n_vocab) out.push_back(id);
   }
 }
 
@@ -178,7 +179,7 @@ namespace detail {
 void MergeMap::reserve(size_t n) {
   size_t cap = 16;
   unsigned bits = 4;
-  while (cap < n * 2) cap <<= 1, ++bits;
+  while (cap * 3 < n * 4) cap <<= 1, ++bits;  // load factor <= 0.75: a smaller, cache-friendlier table
   slots_.assign(cap, Slot{});
   mask_ = cap - 1;
   shift_ = 64 - bits;
@@ -186,7 +187,7 @@ void MergeMap::reserve(size_t n) {
 }
 
 void MergeMap::insert(int32_t left, int32_t right, int32_t rank, int32_t result) {
-  if ((size_ + 1) * 2 > slots_.size()) {
+  if ((size_ + 1) * 4 > slots_.size() * 3) {
     std::vector<Slot> old = std::move(slots_);
     reserve(std::max<size_t>(16, old.size()));
     for (const Slot& s : old)
@@ -241,16 +242,18 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
            types.count, tokens.size());
     for (size_t i = 0; i < tokens.size(); ++i) t.attr[i] = attr_from_type(types.int_at(i));
   }
-  t.sym_id.reserve(tokens.size() * 2);
-  for (size_t i = 0; i < tokens.size(); ++i) t.sym_id[t.text[i]] = int32_t(i);
+  t.sym_text.assign(t.text.begin(), t.text.end());
+  t.sym_index.reserve(tokens.size() + 1024);
+  for (size_t i = 0; i < tokens.size(); ++i) t.sym_index.put(int32_t(i), t.sym_text, true);
 
   // ---- BPE symbols and merges
   auto intern = [&](std::string_view s) -> int32_t {
-    const auto it = t.sym_id.find(s);
-    if (it != t.sym_id.end()) return it->second;
+    const int32_t found = t.sym_id(s);
+    if (found >= 0) return found;
     t.extra_text.emplace_back(s);
-    const int32_t id = t.n_vocab + int32_t(t.extra_text.size() - 1);
-    t.sym_id.emplace(std::string_view(t.extra_text.back()), id);
+    const auto id = int32_t(t.sym_text.size());
+    t.sym_text.emplace_back(t.extra_text.back());
+    t.sym_index.put(id, t.sym_text, false);
     return id;
   };
   for (int b = 0; b < 256; ++b) {
@@ -302,7 +305,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   std::set<int32_t> eog;
   for (int32_t id = 0; id < n; ++id) {
     const std::string& s = t.text[size_t(id)];
-    if (t.sym_id.at(s) != id) continue;
+    if (!maybe_named(s) || t.sym_id(s) != id) continue;
     for (int r = 0; r < kRoles; ++r) {
       if (role_from_key[r] || role_id[r] >= 0 || !role_text(r, s)) continue;
       role_id[r] = id;  // the first match (llama.cpp's pick follows its hash map order)
@@ -313,7 +316,7 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     if (role_id[r] >= 0) eog.insert(role_id[r]);
   for (int32_t id = 0; id < n; ++id) {
     const std::string& s = t.text[size_t(id)];
-    if (t.sym_id.at(s) == id && is_eog_text(s)) {
+    if (maybe_named(s) && is_eog_text(s) && t.sym_id(s) == id) {
       eog.insert(id);
       t.attr[size_t(id)] |= kAttrControl;
     }
@@ -322,8 +325,8 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   // llama.cpp's "quick hack for gpt-oss": these always render and match as user-defined text.
   for (int32_t id = 0; id < n; ++id) {
     const std::string& s = t.text[size_t(id)];
-    if (t.sym_id.at(s) == id &&
-        (s == "<|channel|>" || s == "<|message|>" || s == "<|start|>" || s == "<|constrain|>"))
+    if ((s == "<|channel|>" || s == "<|message|>" || s == "<|start|>" || s == "<|constrain|>") &&
+        t.sym_id(s) == id)
       t.attr[size_t(id)] = kAttrUserDefined;
   }
   if (t.eos >= 0) eog.insert(t.eos);
