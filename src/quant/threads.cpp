@@ -23,29 +23,39 @@ inline void cpu_relax() {
 constexpr int kSpinIters = 1 << 14;
 }  // namespace
 
+// Tasks are claimed with a CAS on one word holding (generation << 32 | next task), so a worker that
+// wakes late, after its run has finished, cannot claim a task of a later run; the caller waits only
+// for the tasks to be done, never for a descheduled worker to check in (the box may be busy).
 struct ThreadPool::Impl {
+  using Fn = std::function<void(int64_t, int)>;
   int n = 1;
   std::vector<std::thread> workers;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int64_t> next{0};
-  std::atomic<int> pending{0};
+  std::atomic<uint64_t> generation{0};  // bumped to start a run (and to stop)
+  std::atomic<uint64_t> work{0};        // (generation << 32) | next task
+  std::atomic<int64_t> n_tasks{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<const Fn*> fn{nullptr};
   std::atomic<bool> stop{false};
-  int64_t n_tasks = 0;
-  const std::function<void(int64_t, int)>* fn = nullptr;
   std::mutex err_mu;
   std::exception_ptr err;
 
-  void work(int thread) {
+  void work_on(uint32_t gen, int thread) {
+    const Fn* f = fn.load(std::memory_order_acquire);
+    const int64_t total = n_tasks.load(std::memory_order_acquire);
+    uint64_t cur = work.load(std::memory_order_acquire);
     for (;;) {
-      int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= n_tasks) return;
+      if (static_cast<uint32_t>(cur >> 32) != gen) return;
+      const int64_t t = static_cast<int64_t>(cur & 0xFFFFFFFFu);
+      if (t >= total) return;
+      if (!work.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       try {
-        (*fn)(t, thread);
+        (*f)(t, thread);
       } catch (...) {
         std::lock_guard<std::mutex> lock(err_mu);
         if (!err) err = std::current_exception();
-        next.store(n_tasks, std::memory_order_relaxed);  // hand out nothing more
       }
+      done.fetch_add(1, std::memory_order_acq_rel);
+      cur = work.load(std::memory_order_acquire);
     }
   }
 
@@ -60,8 +70,7 @@ struct ThreadPool::Impl {
       }
       seen = g;
       if (stop.load(std::memory_order_acquire)) return;
-      work(thread);
-      pending.fetch_sub(1, std::memory_order_acq_rel);
+      work_on(static_cast<uint32_t>(g), thread);
     }
   }
 };
@@ -88,20 +97,23 @@ void ThreadPool::run(int64_t n_tasks, const std::function<void(int64_t task, int
     for (int64_t t = 0; t < n_tasks; ++t) fn(t, 0);
     return;
   }
-  p.fn = &fn;
-  p.n_tasks = n_tasks;
+  if (n_tasks > 0x7FFFFFFF) fail(Exit::other, "quant: ThreadPool::run with {} tasks", n_tasks);
+  const uint64_t gen = p.generation.load(std::memory_order_relaxed) + 1;
   p.err = nullptr;
-  p.next.store(0, std::memory_order_relaxed);
-  p.pending.store(p.n - 1, std::memory_order_relaxed);
-  p.generation.fetch_add(1, std::memory_order_acq_rel);  // publishes fn/n_tasks to the workers
+  p.fn.store(&fn, std::memory_order_release);
+  p.n_tasks.store(n_tasks, std::memory_order_release);
+  p.done.store(0, std::memory_order_release);
+  p.work.store(static_cast<uint64_t>(static_cast<uint32_t>(gen)) << 32, std::memory_order_release);
+  p.generation.store(gen, std::memory_order_release);
   p.generation.notify_all();
-  p.work(0);
-  // Every worker checks in for every generation, so the next run cannot overlap this one.
+  p.work_on(static_cast<uint32_t>(gen), 0);
   int spins = 0;
-  while (p.pending.load(std::memory_order_acquire) != 0) {
+  while (p.done.load(std::memory_order_acquire) != n_tasks) {
     if (++spins < kSpinIters) cpu_relax();
     else std::this_thread::yield();
   }
+  // Close the generation so a worker that read it late finds nothing to claim.
+  p.work.store(static_cast<uint64_t>(static_cast<uint32_t>(gen + 1)) << 32 | 0xFFFFFFFFu, std::memory_order_release);
   if (p.err) {
     std::exception_ptr e = p.err;
     p.err = nullptr;

@@ -312,3 +312,45 @@ TEST(Isa, EnvironmentCapsTheLevel) {
   if (old) setenv("MOE_ISA", saved.c_str(), 1);
   qd::reload_isa_from_env();
 }
+
+// Blocks of random bytes (every code, every scale bit pattern, Q8_0 codes of -128, negative Q6_K
+// scales down to -128) with finite fp16 scale fields: every table must agree with the scalar one
+// (fast: bit for bit; exact: within fp32 rounding of the double reference).
+TEST(Dot, RandomBlockBytesAllTablesAgree) {
+  const uint32_t s = seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << s);
+  std::mt19937 rng(s);
+  struct Layout { Type t; std::vector<int> half_offsets; };
+  const Layout layouts[] = {{Type::Q4_0, {0}}, {Type::Q4_1, {0, 2}}, {Type::Q5_0, {0}}, {Type::Q5_1, {0, 2}},
+                            {Type::Q8_0, {0}}, {Type::Q2_K, {80, 82}}, {Type::Q3_K, {108}}, {Type::Q4_K, {0, 2}},
+                            {Type::Q5_K, {0, 2}}, {Type::Q6_K, {208}}};
+  std::uniform_real_distribution<float> ud(0.001f, 0.1f);
+  const qd::Kernels& sc = qd::kernels(qd::Isa::scalar);
+  for (const auto& lay : layouts) {
+    const uint32_t id = static_cast<uint32_t>(lay.t);
+    const int be = moe::quant::test::ref_block_elems(id), bb = moe::quant::test::ref_block_bytes(id);
+    for (int64_t cols : {256, 1792}) {
+      std::vector<uint8_t> w(rbytes(lay.t, cols));
+      for (auto& v : w) v = static_cast<uint8_t>(rng());
+      for (int64_t b = 0; b < cols / be; ++b)
+        for (int off : lay.half_offsets) {
+          uint16_t h = q::f32_to_fp16(ud(rng));
+          std::memcpy(w.data() + b * bb + off, &h, 2);
+        }
+      std::vector<double> wd;
+      ASSERT_TRUE(moe::quant::test::ref_decode(id, w.data(), cols, wd));
+      std::vector<float> x = make_x(cols, rng);
+      std::vector<uint8_t> act(q::act_row_bytes(lay.t, cols));
+      sc.quantize_act[static_cast<size_t>(q::act_type(lay.t))](x.data(), act.data(), cols);
+      const float want = sc.dot_fast[id](w.data(), act.data(), cols);
+      const double ref = ref_dot(wd, x), mag = mag_dot(wd, x);
+      EXPECT_LE(std::fabs(want - ref), fast_bound(lay.t, wd, x)) << name_of(lay.t);
+      for (int isa = 0; isa <= static_cast<int>(qd::cpu_isa()); ++isa) {
+        const qd::Kernels& k = qd::kernels(static_cast<qd::Isa>(isa));
+        EXPECT_EQ(want, k.dot_fast[id](w.data(), act.data(), cols)) << k.name << " " << name_of(lay.t) << " cols " << cols;
+        float ex = k.dot_exact[id](w.data(), x.data(), cols);
+        EXPECT_LE(std::fabs(ex - ref), 1e-5 * std::max(std::fabs(ref), mag / 100)) << k.name << " " << name_of(lay.t);
+      }
+    }
+  }
+}

@@ -1,10 +1,360 @@
-// AVX-512 kernels with VNNI (compiled with the AVX-512 flags; used only when the CPU has them).
+// AVX-512 kernels with VNNI (compiled with the AVX-512 flags; installed only when the CPU has
+// AVX-512 F/BW/VL/DQ and VNNI). Fast mode keeps the scalar kernels' integers and float order (see
+// kernels_scalar.cpp); exact mode uses FMA on weights dequantized in registers.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+// GCC 12's AVX-512 headers self-initialise "undefined" vectors, which warns once the optimize
+// pragma is active.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "../internal.hpp"
 
 namespace moe::quant::detail {
+namespace {
 
-void fill_avx512_kernels(Kernels& k) { k.name = "avx512-vnni"; }
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+inline int hsum_i32(__m512i v) {
+  return hsum_i32(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)));
+}
+
+inline __m256i reduce8(const __m256i* v) {
+  __m256i s01 = _mm256_hadd_epi32(v[0], v[1]), s23 = _mm256_hadd_epi32(v[2], v[3]);
+  __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
+  __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                          _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// The six-bit scales and mins of a Q4_K/Q5_K super-block, unpacked four at a time with 32-bit ops:
+// sc[0..3] = b[0..3] & 63, m[0..3] = b[4..7] & 63, sc[4..7] = low nibbles of b[8..11] with the top
+// bits of b[0..3], m[4..7] = high nibbles of b[8..11] with the top bits of b[4..7].
+inline void unpack_k4(const uint8_t* b, uint64_t& sc8, uint64_t& m8) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, b, 4);
+  std::memcpy(&u1, b + 4, 4);
+  std::memcpy(&u2, b + 8, 4);
+  uint32_t s_lo = u0 & 0x3F3F3F3Fu, m_lo = u1 & 0x3F3F3F3Fu;
+  uint32_t s_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u);
+  uint32_t m_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
+  sc8 = s_lo | (static_cast<uint64_t>(s_hi) << 32);
+  m8 = m_lo | (static_cast<uint64_t>(m_hi) << 32);
+}
+
+// 8 byte values -> 16 int32 lanes holding (v, v) as two int16, for a 16-bit multiply-add against
+// pairs; lanes 0..7 repeat nothing (callers permute what they need).
+inline __m512i pairs16(uint64_t bytes8) {
+  __m512i v = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes8)));
+  return _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+}
+
+// ---- activation quantization: Q8_K ------------------------------------------------------------
+void act_q8_k(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<BlockQ8_K*>(dst);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < n / kQKK; ++i, x += kQKK) {
+    BlockQ8_K& b = out[i];
+    __m512 m = _mm512_setzero_ps();
+    for (int j = 0; j < kQKK; j += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + j)));
+    float amax = _mm512_reduce_max_ps(m);
+    if (!(amax > 0.f)) {
+      std::memset(&b, 0, sizeof b);
+      continue;
+    }
+    int first = 0;
+    __m512 am = _mm512_set1_ps(amax);
+    for (int j = 0; j < kQKK; j += 16) {
+      __mmask16 k = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, _mm512_loadu_ps(x + j)), am, _CMP_EQ_OQ);
+      if (k) { first = j + __builtin_ctz(static_cast<unsigned>(k)); break; }
+    }
+    float iscale = -127.f / x[first];
+    __m512 mul = _mm512_set1_ps(iscale);
+    const __m512i top = _mm512_set1_epi32(127);
+    for (int j = 0; j < kQKK; j += 16) {
+      __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), mul), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512i q = _mm512_min_epi32(_mm512_cvtps_epi32(v), top);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(b.qs + j), _mm512_cvtsepi32_epi8(q));
+      b.bsums[j / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+    }
+    b.d = 1.f / iscale;
+  }
+}
+
+// ---- fast dot products ----------------------------------------------------------------------------
+// Signed x (may be -128) times signed y (never -128: activations are within ±127), per 4 bytes.
+inline __m512i dot_i8(__m512i x, __m512i y) {
+  __mmask64 neg = _mm512_movepi8_mask(x);
+  __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), sy);
+}
+
+template <typename Block, typename Codes>
+float dot_legacy8(const Block* x, const BlockQ8_0* y, int64_t nb, Codes codes) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i v[8];
+    for (int k = 0; k < 8; k += 2) {
+      __m512i p = dot_i8(join(codes(x[b + k]), codes(x[b + k + 1])), join(load256(y[b + k].qs), load256(y[b + k + 1].qs)));
+      v[k] = _mm512_castsi512_si256(p);
+      v[k + 1] = _mm512_extracti64x4_epi64(p, 1);
+    }
+    __m256i isum = reduce8(v);
+    __m128i xd = _mm_setr_epi16(x[b].d, x[b + 1].d, x[b + 2].d, x[b + 3].d, x[b + 4].d, x[b + 5].d, x[b + 6].d, x[b + 7].d);
+    __m128i yd = _mm_setr_epi16(y[b].d, y[b + 1].d, y[b + 2].d, y[b + 3].d, y[b + 4].d, y[b + 5].d, y[b + 6].d, y[b + 7].d);
+    __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(xd), _mm256_cvtph_ps(yd));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (; b < nb; ++b) {
+    __m512i p = dot_i8(_mm512_castsi256_si512(codes(x[b])), _mm512_castsi256_si512(load256(y[b].qs)));
+    int s = hsum_i32(_mm512_castsi512_si256(p));
+    lanes[b % 8] += (h2f(x[b].d) * h2f(y[b].d)) * static_cast<float>(s);
+  }
+  return fold8(lanes);
+}
+
+float dot_q8_0_q8_0(const void* w, const void* a, int64_t n) {
+  return dot_legacy8(static_cast<const BlockQ8_0*>(w), static_cast<const BlockQ8_0*>(a), n / kQK,
+                     [](const BlockQ8_0& x) { return load256(x.qs); });
+}
+
+float dot_q4_0_q8_0(const void* w, const void* a, int64_t n) {
+  return dot_legacy8(static_cast<const BlockQ4_0*>(w), static_cast<const BlockQ8_0*>(a), n / kQK, [](const BlockQ4_0& x) {
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.qs));
+    __m256i qq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xF));
+    return _mm256_sub_epi8(qq, _mm256_set1_epi8(8));
+  });
+}
+
+// Q4_K/Q5_K: per 64-element chunk one zmm of codes (low nibbles = sub-block 2c, high = 2c+1),
+// u8·s8 pairs to int16 (exact: 31·127·2 < 2^15), then a 16-bit multiply-add with the scales.
+template <bool kFive>
+float dot_k4(const void* w, const void* a, int64_t n) {
+  const uint8_t* base = static_cast<const uint8_t*>(w);
+  const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  auto* y = static_cast<const BlockQ8_K*>(a);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  float sumf = 0;
+  for (int64_t b = 0; b < n / kQKK; ++b) {
+    const uint8_t* blk = base + b * bytes;
+    uint16_t d, dmin;
+    std::memcpy(&d, blk, 2);
+    std::memcpy(&dmin, blk + 2, 2);
+    uint64_t sc8, m8;
+    unpack_k4(blk + 4, sc8, m8);
+    const uint8_t* qs = blk + (kFive ? 48 : 16);
+    const __m512i scp = pairs16(sc8);
+    __m512i acc = _mm512_setzero_si512();
+    __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i q = load256(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if constexpr (kFive) {
+        // Bit 2c of qh[l] is the fifth bit of the low-nibble element, bit 2c+1 of the high one.
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16)));
+      }
+      __m512i p = _mm512_maddubs_epi16(join(lo, hi), _mm512_loadu_si512(y[b].qs + 64 * c));
+      const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                           2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
+      acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi32(idx, scp));
+    }
+    // Σ_s m_s·(bsum_2s + bsum_2s+1): one 16-bit multiply-add of the bsums against (m_s, m_s) pairs.
+    __m256i mp = _mm512_castsi512_si256(pairs16(m8));
+    int imin = hsum_i32(_mm256_madd_epi16(load256(y[b].bsums), mp));
+    int isum = hsum_i32(acc);
+    sumf += h2f(d) * y[b].d * static_cast<float>(isum);
+    sumf -= h2f(dmin) * y[b].d * static_cast<float>(imin);
+  }
+  return sumf;
+}
+
+float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) { return dot_k4<false>(w, a, n); }
+float dot_q5_k_q8_k(const void* w, const void* a, int64_t n) { return dot_k4<true>(w, a, n); }
+
+// Q6_K: 64 codes (0..63) per zmm; each 128-bit lane is one group of 16 with its own scale.
+float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
+  auto* x = static_cast<const BlockQ6_K*>(w);
+  auto* y = static_cast<const BlockQ8_K*>(a);
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
+  float sumf = 0;
+  for (int64_t b = 0; b < n / kQKK; ++b) {
+    const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales)));
+    const __m512i sp = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
+    __m512i acc = _mm512_setzero_si512();
+    for (int nn = 0; nn < 2; ++nn) {
+      const __m512i L = _mm512_loadu_si512(x[b].ql + 64 * nn);
+      const __m256i H = load256(x[b].qh + 32 * nn);
+      // Elements 0..63 of the half: low nibbles, high bits (H>>0)&3 then (H>>2)&3.
+      __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                  _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
+      // Elements 64..127: high nibbles, high bits (H>>4)&3 then (H>>6)&3.
+      __m512i B = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                  _mm512_and_si512(join(H, _mm256_srli_epi16(H, 2)), m3));
+      __m512i pa = _mm512_maddubs_epi16(A, _mm512_loadu_si512(y[b].qs + 128 * nn));
+      __m512i pb = _mm512_maddubs_epi16(B, _mm512_loadu_si512(y[b].qs + 128 * nn + 64));
+      const int g = 8 * nn;
+      const __m512i ia = _mm512_set_epi32(g + 3, g + 3, g + 3, g + 3, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1, g + 1, g + 1, g, g, g, g);
+      const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(4));
+      acc = _mm512_dpwssd_epi32(acc, pa, _mm512_permutexvar_epi32(ia, sp));
+      acc = _mm512_dpwssd_epi32(acc, pb, _mm512_permutexvar_epi32(ib, sp));
+    }
+    __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales)));
+    int ioff = hsum_i32(_mm256_madd_epi16(load256(y[b].bsums), s16)) * 32;
+    int isum = hsum_i32(acc) - ioff;
+    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
+  }
+  return sumf;
+}
+
+// ---- exact mode ---------------------------------------------------------------------------------
+inline float hsum_ps(__m512 v) { return _mm512_reduce_add_ps(v); }
+inline __m512 u8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+inline __m512 i8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+
+float exact_f32(const void* w, const float* x, int64_t n) {
+  auto* wf = static_cast<const float*>(w);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wf + i), _mm512_loadu_ps(x + i), a0);
+  if (i < n) {
+    __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, wf + i), _mm512_maskz_loadu_ps(k, x + i), a1);
+  }
+  return hsum_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+float fast_f32(const void* w, const void* x, int64_t n) { return exact_f32(w, static_cast<const float*>(x), n); }
+
+float exact_q8_0(const void* w, const float* x, int64_t n) {
+  auto* b = static_cast<const BlockQ8_0*>(w);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n / kQK; ++i, x += kQK) {
+    __m512 d = _mm512_set1_ps(h2f(b[i].d));
+    acc0 = _mm512_fmadd_ps(_mm512_mul_ps(d, i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i].qs)))),
+                           _mm512_loadu_ps(x), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_mul_ps(d, i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i].qs + 16)))),
+                           _mm512_loadu_ps(x + 16), acc1);
+  }
+  return hsum_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// 32 unsigned codes against 32 floats: y = dl·q − ml.
+inline void fma_affine32(__m256i q, __m512 dl, __m512 ml, const float* x, __m512& acc0, __m512& acc1) {
+  acc0 = _mm512_fmadd_ps(_mm512_fmsub_ps(dl, u8x16_ps(_mm256_castsi256_si128(q)), ml), _mm512_loadu_ps(x), acc0);
+  acc1 = _mm512_fmadd_ps(_mm512_fmsub_ps(dl, u8x16_ps(_mm256_extracti128_si256(q, 1)), ml), _mm512_loadu_ps(x + 16), acc1);
+}
+
+template <bool kFive>
+float exact_k4(const void* w, const float* x, int64_t n) {
+  const uint8_t* base = static_cast<const uint8_t*>(w);
+  const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n / kQKK; ++b, x += kQKK) {
+    const uint8_t* blk = base + b * bytes;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    uint64_t sc8, m8;
+    unpack_k4(blk + 4, sc8, m8);
+    // Per-sub-block d·sc and dmin·m for all eight sub-blocks at once.
+    alignas(32) float dl[8], ml[8];
+    _mm256_store_ps(dl, _mm256_mul_ps(_mm256_set1_ps(h2f(dh)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
+    _mm256_store_ps(ml, _mm256_mul_ps(_mm256_set1_ps(h2f(mh)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))))));
+    const uint8_t* qs = blk + (kFive ? 48 : 16);
+    __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i q = load256(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if constexpr (kFive) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16)));
+      }
+      fma_affine32(lo, _mm512_set1_ps(dl[2 * c]), _mm512_set1_ps(ml[2 * c]), x + 64 * c, acc0, acc1);
+      fma_affine32(hi, _mm512_set1_ps(dl[2 * c + 1]), _mm512_set1_ps(ml[2 * c + 1]), x + 64 * c + 32, acc0, acc1);
+    }
+  }
+  return hsum_ps(_mm512_add_ps(acc0, acc1));
+}
+
+float exact_q4_k(const void* w, const float* x, int64_t n) { return exact_k4<false>(w, x, n); }
+float exact_q5_k(const void* w, const float* x, int64_t n) { return exact_k4<true>(w, x, n); }
+
+float exact_q6_k(const void* w, const float* x, int64_t n) {
+  auto* b = static_cast<const BlockQ6_K*>(w);
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n / kQKK; ++i, x += kQKK) {
+    alignas(64) float ds[16];
+    _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(h2f(b[i].d)),
+                                      i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i].scales)))));
+    for (int nn = 0; nn < 2; ++nn) {
+      const __m512i L = _mm512_loadu_si512(b[i].ql + 64 * nn);
+      const __m256i H = load256(b[i].qh + 32 * nn);
+      __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                  _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
+      __m512i B = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                  _mm512_and_si512(join(H, _mm256_srli_epi16(H, 2)), m3));
+      A = _mm512_sub_epi8(A, off);
+      B = _mm512_sub_epi8(B, off);
+      const float* xa = x + 128 * nn;
+      const float* dsn = ds + 8 * nn;
+      // Each 16 codes (one 128-bit lane) form one scale group.
+      acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[0]), i8x16_ps(_mm512_extracti32x4_epi32(A, 0))), _mm512_loadu_ps(xa), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[1]), i8x16_ps(_mm512_extracti32x4_epi32(A, 1))), _mm512_loadu_ps(xa + 16), acc1);
+      acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[2]), i8x16_ps(_mm512_extracti32x4_epi32(A, 2))), _mm512_loadu_ps(xa + 32), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[3]), i8x16_ps(_mm512_extracti32x4_epi32(A, 3))), _mm512_loadu_ps(xa + 48), acc1);
+      acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[4]), i8x16_ps(_mm512_extracti32x4_epi32(B, 0))), _mm512_loadu_ps(xa + 64), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[5]), i8x16_ps(_mm512_extracti32x4_epi32(B, 1))), _mm512_loadu_ps(xa + 80), acc1);
+      acc0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[6]), i8x16_ps(_mm512_extracti32x4_epi32(B, 2))), _mm512_loadu_ps(xa + 96), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dsn[7]), i8x16_ps(_mm512_extracti32x4_epi32(B, 3))), _mm512_loadu_ps(xa + 112), acc1);
+    }
+  }
+  return hsum_ps(_mm512_add_ps(acc0, acc1));
+}
+
+}  // namespace
+
+void fill_avx512_kernels(Kernels& k) {
+  auto i = [](Type t) { return static_cast<size_t>(t); };
+  k.name = "avx512-vnni";
+  k.quantize_act[i(Type::Q8_K)] = act_q8_k;
+  k.dot_fast[i(Type::Q4_0)] = dot_q4_0_q8_0;
+  k.dot_fast[i(Type::Q8_0)] = dot_q8_0_q8_0;
+  k.dot_fast[i(Type::Q4_K)] = dot_q4_k_q8_k;
+  k.dot_fast[i(Type::Q5_K)] = dot_q5_k_q8_k;
+  k.dot_fast[i(Type::Q6_K)] = dot_q6_k_q8_k;
+  k.dot_fast[i(Type::F32)] = fast_f32;
+  k.dot_exact[i(Type::F32)] = exact_f32;
+  k.dot_exact[i(Type::Q8_0)] = exact_q8_0;
+  k.dot_exact[i(Type::Q4_K)] = exact_q4_k;
+  k.dot_exact[i(Type::Q5_K)] = exact_q5_k;
+  k.dot_exact[i(Type::Q6_K)] = exact_q6_k;
+}
 
 }  // namespace moe::quant::detail
