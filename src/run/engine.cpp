@@ -126,6 +126,10 @@ void Engine::start(std::span<const int32_t> prompt) {
     return;
   }
   rep_.guard_ms = ms_between(tg, Clock::now());
+  // A non-finite reference is the CPU's failure, not the GPU's: falling back could not help.
+  if (r.non_finite_side && *r.non_finite_side == "CPU")
+    fail(Exit::inference, "non-finite logits at position {} of the F2 guard's probe (token id {}) on the CPU",
+         r.first_bad_pos.value_or(0), r.non_finite_id);
   rep_.guard_positions = r.positions;
   rep_.guard_min_cosine = r.min_cosine;
   rep_.guard_accepted = r.accepted;

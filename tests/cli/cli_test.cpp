@@ -18,6 +18,9 @@
 #include <thread>
 
 #include "mini_json.hpp"
+#if defined(MOE_HAVE_CUDA)
+#include "moe/cuda.hpp"
+#endif
 
 extern char** environ;
 
@@ -319,6 +322,45 @@ TEST(Cli, FaultsFallBackAndAnswerLikeNoGpu) {
   // SKIP_PARITY_GATE=1.
   const Proc s = moe(a, {{"MOE_FAKE_GPU", "1"}, {"SKIP_PARITY_GATE", "1"}});
   EXPECT_EQ(s.count_err("F2 guard: SKIP_PARITY_GATE=1 \u2014 nothing was compared on this run"), 1) << s.err;
+}
+
+// ---- a CUDA build: the real GPU path (on a machine with a device) or its fallback (without) -----
+
+TEST(Cli, CudaBuildServesOrFallsBackWithTheCudaError) {
+#if !defined(MOE_HAVE_CUDA)
+  GTEST_SKIP() << "CPU-only build";
+#else
+  const std::vector<std::string> a = with({kTiny, "Tell me a story about a dragon"}, {"-n", "16", "--threads", "2"});
+  const Proc ref = moe(with(a, {"--no-gpu"}));
+  const Proc p = moe(with(a, {"--json"}));
+  ASSERT_EQ(p.status, 0) << p.err;
+  const auto v = mini_json::parse(p.out);
+  if (moe::cuda::device_count() == 0) {
+    EXPECT_EQ(p.count_err("qwen3moe: the CUDA forward did not serve this run, falling back to CPU: CUDA initialization failed"), 1) << p.err;
+    EXPECT_EQ(v["backend"]["ran"].s, "cpu");
+    EXPECT_EQ(v["text"].s + "\n", ref.out);
+    expect_exit(moe(with(a, {"--gpu"})), 14, "CUDA initialization failed");
+    return;
+  }
+  // A device: the guard accepts the real CUDA forward, and every injected fault falls back to the
+  // answer of a --no-gpu run (gpu-kernel: after two GPU tokens, which agree on this model).
+  EXPECT_EQ(p.count_err("F2 guard: GPU matches the CPU forward on "), 1) << p.err;
+  EXPECT_EQ(v["backend"]["ran"].s, "cuda");
+  EXPECT_TRUE(v["guard"]["accepted"].b);
+  EXPECT_GT(v["guard"]["min_cosine"].n, 0.99);
+  std::cerr << "real GPU guard: " << p.err;
+  for (const char* f : {"gpu-init", "gpu-nan", "gpu-perturb", "gpu-kernel"}) {
+    const Proc q = moe(a, {{"MOE_FAULT", f}});
+    EXPECT_EQ(q.status, 0) << f << q.err;
+    EXPECT_EQ(q.count_err("qwen3moe: the CUDA forward did not serve this run, falling back to CPU: "), 1) << f << q.err;
+    EXPECT_EQ(q.out, ref.out) << f;
+    expect_exit(moe(with(a, {"--gpu"}), {{"MOE_FAULT", f}}), 14);
+  }
+  const Proc s = moe(a, {{"SKIP_PARITY_GATE", "1"}});
+  EXPECT_EQ(s.count_err("F2 guard: SKIP_PARITY_GATE=1"), 1) << s.err;
+  const Proc one = moe({kTiny, "--prompt-tokens", "42", "-n", "4"});
+  EXPECT_EQ(one.count_err("F2 guard: a 1-token prompt has no real position to compare; nothing was judged"), 1) << one.err;
+#endif
 }
 
 // ---- --inspect, --tokenize ------------------------------------------------------------------------------

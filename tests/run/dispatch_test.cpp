@@ -3,11 +3,14 @@
 // what a --no-gpu run answers, without repeating streamed text.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "../cli/mini_json.hpp"
 #include "moe/cpu.hpp"
+#include "moe/gguf.hpp"
 #include "moe/error.hpp"
 #include "moe/guard.hpp"
 #include "moe/run.hpp"
@@ -414,6 +417,50 @@ TEST(Generate, SigintStopsWithinOneTokenWithPartialStats) {
   // eval 3, and the loop stops before sampling another token.
   EXPECT_NE(r.err.find("generated 2 tok"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("interrupted"), std::string::npos);
+}
+
+}  // namespace
+
+namespace {
+
+// A copy of the tiny model whose final norm weights are NaN: every logit is NaN.
+std::string nan_model() {
+  const std::string path = testing::TempDir() + "/moe_nan_model.gguf";
+  std::vector<char> bytes;
+  {
+    std::ifstream f(kModel, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  auto file = gguf::File::open(kModel);
+  const auto* t = file->tensor("output_norm.weight");
+  EXPECT_NE(t, nullptr);
+  EXPECT_EQ(t->type, gguf::Type::F32);
+  const float nan = std::nanf("");
+  for (int64_t i = 0; i < t->nelements(); ++i)
+    std::memcpy(bytes.data() + t->file_offset + static_cast<size_t>(i) * 4, &nan, 4);
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return path;
+}
+
+TEST(Generate, NonFiniteCpuLogitsAreAnInferenceError) {
+  auto c = base_config();
+  c.model_path = nan_model();
+  c.backend = run::Requested::cpu;
+  try {
+    generate(c, Backends{});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Exit::inference);
+    EXPECT_NE(std::string(e.what()).find("position"), std::string::npos) << e.what();
+  }
+  // Through the guard (the CPU reference is NaN too) it is the same error, not a GPU fallback.
+  c.backend = run::Requested::automatic;
+  try {
+    generate(c, fake());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Exit::inference);
+  }
 }
 
 }  // namespace
