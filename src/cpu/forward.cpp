@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -72,8 +75,8 @@ Plan Plan::make(const model::ModelConfig& c, int64_t n_ctx, int64_t batch, int t
   p.t_gate = take_t(B * kExpertRowChunk * 4);
   p.t_up = take_t(B * kExpertRowChunk * 4);
   p.t_down = take_t(B * K * kDownRowChunk * 4);
-  p.t_scores = take_t(static_cast<size_t>(n_ctx) * 4);
-  p.t_head = take_t(2 * hd * 4);
+  p.t_scores = take_t(8 * static_cast<size_t>(n_ctx) * 4);  // up to 8 heads at once
+  p.t_head = take_t(static_cast<size_t>(c.n_head) * hd * 4);
   p.per_thread = align64(t);
   p.arena = off + p.per_thread * static_cast<size_t>(p.threads);
   p.kv = kv_bytes(c, n_ctx);
@@ -102,6 +105,10 @@ uint64_t memory_bytes(const model::ModelConfig& c, int64_t n_ctx, int64_t max_ba
 
 uint64_t memory_bytes(const model::ModelConfig& c, int64_t n_ctx, int64_t max_batch) {
   return memory_bytes(c, n_ctx, max_batch, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+}
+
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // ---- projections ------------------------------------------------------------------------------
@@ -168,6 +175,7 @@ void attention_block(State& s, int64_t layer, int64_t n, int64_t p0, int64_t out
   const int64_t E = c.n_embd, qd = c.q_dim(), kvd = c.kv_dim(), hd = c.head_dim;
   const int64_t n_head = c.n_head, n_kv = c.n_head_kv, group = n_head / n_kv;
   const float eps = c.rms_eps;
+  double tp = lap_start(s);
 
   s.parallel(n, [&](int64_t t, int) { rms_norm(s.x + t * E, L.attn_norm.f32(), s.h + t * E, E, eps); });
 
@@ -182,6 +190,8 @@ void attention_block(State& s, int64_t layer, int64_t n, int64_t p0, int64_t out
       project(s, &pq, 1, s.h + out0 * E, E, n_out);
     }
   }
+
+  lap(s, kQkv, tp);
 
   // Per-head norms and RoPE; K and V go into the fp16 cache.
   uint16_t* kc = s.k_cache(layer);
@@ -204,35 +214,23 @@ void attention_block(State& s, int64_t layer, int64_t n, int64_t p0, int64_t out
     f32_to_f16_row(s.k + t * kvd, kc + pos * kvd, kvd);
     f32_to_f16_row(s.v + t * kvd, vc + pos * kvd, kvd);
   });
+  lap(s, kRopeKv, tp);
   if (n_out == 0) return;
 
-  // Scaled dot-product attention over the cache (the batch's own K/V already rounded to fp16).
-  // Fast mode rounds Q and the probabilities to fp16 as llama.cpp's CPU matmuls against the fp16
-  // cache do; exact mode keeps them fp32. The head's output overwrites its Q in place.
+  // Scaled dot-product attention over the cache (the batch's own K/V already rounded to fp16),
+  // one task per (token, KV head) so the query heads sharing a KV head read its rows once. Fast
+  // mode rounds Q and the probabilities to fp16 as llama.cpp's CPU matmuls against the fp16 cache
+  // do; exact mode keeps them fp32. The heads' outputs overwrite their Q in place.
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const bool fast = s.mode == quant::ActMode::fast;
-  s.parallel(n_out * n_head, [&](int64_t task, int thread) {
-    const int64_t t = out0 + task / n_head, i = task % n_head, g = i / group;
-    const int64_t n_kv_pos = p0 + t + 1;  // causal: positions 0 ..= p0 + t
+  s.parallel(n_out * n_kv, [&](int64_t task, int thread) {
+    const int64_t t = out0 + task / n_kv, g = task % n_kv;
     uint8_t* tb = s.thread_block(thread);
-    float* scores = reinterpret_cast<float*>(tb + s.plan.t_scores);
-    float* qv = reinterpret_cast<float*>(tb + s.plan.t_head);
-    float* ov = qv + hd;
-    float* qh = s.q + t * qd + i * hd;
-    if (fast) {
-      round_f16_row(qh, qv, hd);
-    } else {
-      std::memcpy(qv, qh, static_cast<size_t>(hd) * 4);
-    }
-    const uint16_t* kg = kc + g * hd;
-    for (int64_t p = 0; p < n_kv_pos; ++p) scores[p] = dot_f32_f16(qv, kg + p * kvd, hd) * scale;
-    softmax(scores, n_kv_pos);
-    if (fast) round_f16_row(scores, scores, n_kv_pos);
-    std::fill(ov, ov + hd, 0.0f);
-    const uint16_t* vg = vc + g * hd;
-    for (int64_t p = 0; p < n_kv_pos; ++p) axpy_f16(ov, scores[p], vg + p * kvd, hd);
-    std::memcpy(qh, ov, static_cast<size_t>(hd) * 4);
+    float* qg = s.q + t * qd + g * group * hd;
+    attend(qg, group, hd, kc + g * hd, vc + g * hd, kvd, p0 + t + 1, scale, fast,
+           reinterpret_cast<float*>(tb + s.plan.t_scores), reinterpret_cast<float*>(tb + s.plan.t_head), qg);
   });
+  lap(s, kAttention, tp);
 
   const Proj po{L.attn_output.matrix(), s.y + out0 * E, E};
   project(s, &po, 1, s.q + out0 * qd, qd, n_out);
@@ -241,6 +239,7 @@ void attention_block(State& s, int64_t layer, int64_t n, int64_t p0, int64_t out
     const float* yr = s.y + (out0 + t) * E;
     for (int64_t e = 0; e < E; ++e) xr[e] += yr[e];
   });
+  lap(s, kWo, tp);
 }
 
 // ---- the Forward ------------------------------------------------------------------------------
@@ -262,6 +261,7 @@ class CpuForward final : public Forward {
     s_.batch = std::min(o.max_batch, s_.n_ctx);
     s_.plan = Plan::make(c, s_.n_ctx, s_.batch, o.pool->size());
     s_.rope = Rope::from_config(c);
+    s_.profile = std::getenv("MOE_CPU_PROFILE") != nullptr;
 
     const uint64_t need = s_.plan.arena + s_.plan.kv;
     const uint64_t phys = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -332,11 +332,14 @@ class CpuForward final : public Forward {
   void run_chunk(const int32_t* tok, int64_t n, float* out, bool all_logits) {
     const model::ModelConfig& c = *s_.c;
     const int64_t E = c.n_embd, hd = c.head_dim, p0 = n_past_;
+    double tp = lap_start(s_);
     const model::Tensor& emb = s_.model->token_embd;
     s_.parallel(n, [&](int64_t t, int) {
       quant::dequantize_row(emb.type, emb.data + static_cast<size_t>(tok[t]) * emb.row_bytes, s_.x + t * E, E);
       s_.rope.table(p0 + t, s_.rope_cs + t * hd);
     });
+
+    lap(s_, kEmbed, tp);
 
     // In the last layer only the rows whose logits are wanted need more than their K/V.
     int64_t out0 = 0, n_out = n;
@@ -355,6 +358,7 @@ class CpuForward final : public Forward {
     }
     n_past_ += n;
     if (!out) return;
+    tp = lap_start(s_);
 
     s_.parallel(n_out, [&](int64_t t, int) {
       rms_norm(s_.x + (out0 + t) * E, s_.model->output_norm.f32(), s_.h + t * E, E, c.rms_eps);
@@ -373,10 +377,23 @@ class CpuForward final : public Forward {
         if (!std::isfinite(row[i]))
           fail(Exit::inference, "non-finite logit at position {} (token id {}: {})", p0 + out0 + t, i, row[i]);
     }
+    lap(s_, kHead, tp);
   }
 
   State s_;
   int64_t n_past_ = 0;
+
+ public:
+  ~CpuForward() override {
+    if (!s_.profile) return;
+    double total = 0;
+    for (double t : s_.phase_s) total += t;
+    std::fprintf(stderr, "cpu forward profile (%s, %d threads): %.3f s\n",
+                 s_.mode == quant::ActMode::fast ? "fast" : "exact", s_.pool->size(), total);
+    for (int p = 0; p < kPhases; ++p)
+      std::fprintf(stderr, "  %-16s %8.3f s  %5.1f %%\n", kPhaseNames[p], s_.phase_s[p],
+                   total > 0 ? 100.0 * s_.phase_s[p] / total : 0.0);
+  }
 };
 
 }  // namespace

@@ -86,6 +86,7 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   float* x = s.x + out0 * E;
   float* h = s.h + out0 * E;
   float* y = s.y + out0 * E;
+  double tp = lap_start(s);
 
   s.parallel(n, [&](int64_t t, int) { rms_norm(x + t * E, L.ffn_norm.f32(), h + t * E, E, c.rms_eps); });
 
@@ -93,6 +94,8 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   const Proj pr{L.ffn_gate_inp.matrix(), s.router, X};
   project(s, &pr, 1, h, E, n, /*force_exact=*/true);
   for (int64_t t = 0; t < n; ++t) route(s.router + t * X, X, K, s.sel_id + t * K, s.sel_w + t * K);
+
+  lap(s, kRouter, tp);
 
   // Group the (token, rank) slots by expert: counting sort, experts in id order.
   int32_t* count = s.exp_count;
@@ -135,9 +138,11 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
       float* arow = s.a + static_cast<size_t>(off[e] + j) * F;
       const float* gr = g + j * kExpertRowChunk;
       const float* ur = u + j * kExpertRowChunk;
-      for (int64_t r = r0; r < r1; ++r) arow[r] = silu(gr[r - r0]) * ur[r - r0];
+      swiglu(gr, ur, arow + r0, r1 - r0);
     }
   });
+
+  lap(s, kGateUp, tp);
 
   // down input: the slots' a rows, quantized once each for the down matrix.
   const quant::Type dt = L.ffn_down_exps.type;
@@ -154,6 +159,8 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
       s.parallel(n_slots, quantize);
     }
   }
+
+  lap(s, kDownQuant, tp);
 
   // down + weighted sum: tasks are row chunks of n_embd, each runs every active expert on its rows
   // and then combines per token in rank order (y = w0*d0 + w1*d1 + ..., as llama.cpp adds them).
@@ -186,6 +193,7 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
     const float* yr = y + t * E;
     for (int64_t e = 0; e < E; ++e) xr[e] += yr[e];
   });
+  lap(s, kDown, tp);
 }
 
 }  // namespace moe::cpu

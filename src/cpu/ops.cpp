@@ -1,5 +1,6 @@
 #include "ops.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -143,7 +144,156 @@ __attribute__((target("avx2,fma,f16c"))) void axpy_f16_avx2(float* y, float a, c
   for (; i < n; ++i) y[i] += a * quant::fp16_to_f32(x[i]);
 }
 
+// exp(x) for 8 lanes: 2^n · P(r) with n = round(x·log2 e), r = x − n·ln 2 in two parts and a
+// degree-6 polynomial (Cephes); relative error ~2 ulp, like the vector exp llama.cpp uses in the
+// same places. Inputs below -87.3 give 0 (the softmax and SiLU only need that end).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n via the exponent field; n is in [-126, 127] after the clamp.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(zero_mask, y);
+}
+
+__attribute__((target("avx2,fma"))) float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) void softmax_avx2(float* x, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  float mx = -INFINITY;
+  {
+    alignas(32) float l[8];
+    _mm256_store_ps(l, vmax);
+    for (float v : l) mx = std::max(mx, v);
+    for (int64_t j = i; j < n; ++j) mx = std::max(mx, x[j]);
+  }
+  double sum = 0.0;
+  const __m256 m = _mm256_set1_ps(mx);
+  i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    _mm256_storeu_ps(x + i, e);
+    sum += static_cast<double>(hsum8(e));
+  }
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += static_cast<double>(x[i]);
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  const __m256 vi = _mm256_set1_ps(inv);
+  i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vi));
+  for (; i < n; ++i) x[i] *= inv;
+}
+
+__attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float* u, float* y, int64_t n) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) y[i] = silu(g[i]) * u[i];
+}
+
+// Scores of NB query heads against one K row at a time: the K row is converted once and every head
+// accumulates in its own register; a transpose-reduce gives the NB scores.
+template <int NB>
+__attribute__((target("avx2,fma,f16c"))) void scores_block(const float* q, int64_t hd, const uint16_t* K,
+                                                           int64_t kv_stride, int64_t n_pos, float scale,
+                                                           float* scores, int64_t score_stride) {
+  for (int64_t p = 0; p < n_pos; ++p) {
+    const uint16_t* k = K + p * kv_stride;
+    __m256 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 8) {
+      const __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + c)));
+      for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(_mm256_loadu_ps(q + b * hd + c), kv, acc[b]);
+    }
+    for (int b = 0; b < NB; ++b) scores[b * score_stride + p] = hsum8(acc[b]) * scale;
+  }
+}
+
+// out[b] = Σ_p P[b][p] · V[p] for NB heads, 8 dims at a time with the heads in registers.
+template <int NB>
+__attribute__((target("avx2,fma,f16c"))) void values_block(const float* P, int64_t score_stride, int64_t hd,
+                                                           const uint16_t* V, int64_t kv_stride, int64_t n_pos,
+                                                           float* out) {
+  for (int64_t c = 0; c < hd; c += 8) {
+    __m256 acc[NB];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n_pos; ++p) {
+      const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(V + p * kv_stride + c)));
+      for (int b = 0; b < NB; ++b) acc[b] = _mm256_fmadd_ps(_mm256_broadcast_ss(P + b * score_stride + p), v, acc[b]);
+    }
+    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(out + b * hd + c, acc[b]);
+  }
+}
+
+template <int NB>
+void attend_heads_avx2(const float* q, int64_t hd, const uint16_t* K, const uint16_t* V, int64_t kv_stride,
+                       int64_t n_pos, float scale, bool round, float* scores, float* out) {
+  scores_block<NB>(q, hd, K, kv_stride, n_pos, scale, scores, n_pos);
+  for (int b = 0; b < NB; ++b) {
+    softmax_avx2(scores + b * n_pos, n_pos);
+    if (round) round_f16_avx2(scores + b * n_pos, scores + b * n_pos, n_pos);
+  }
+  values_block<NB>(scores, n_pos, hd, V, kv_stride, n_pos, out);
+}
+
 }  // namespace
+
+void attend(const float* q, int64_t n_heads, int64_t hd, const uint16_t* K, const uint16_t* V, int64_t kv_stride,
+            int64_t n_pos, float scale, bool round_f16, float* scores, float* qbuf, float* out) {
+  if (round_f16) {
+    round_f16_row(q, qbuf, n_heads * hd);
+  } else {
+    std::memcpy(qbuf, q, static_cast<size_t>(n_heads * hd) * sizeof(float));
+  }
+  if (use_f16c() && hd % 8 == 0) {
+    int64_t h = 0;
+    for (; h + 8 <= n_heads; h += 8)
+      attend_heads_avx2<8>(qbuf + h * hd, hd, K, V, kv_stride, n_pos, scale, round_f16, scores, out + h * hd);
+    for (; h + 4 <= n_heads; h += 4)
+      attend_heads_avx2<4>(qbuf + h * hd, hd, K, V, kv_stride, n_pos, scale, round_f16, scores, out + h * hd);
+    for (; h < n_heads; ++h)
+      attend_heads_avx2<1>(qbuf + h * hd, hd, K, V, kv_stride, n_pos, scale, round_f16, scores, out + h * hd);
+    return;
+  }
+  for (int64_t h = 0; h < n_heads; ++h) {
+    const float* qh = qbuf + h * hd;
+    for (int64_t p = 0; p < n_pos; ++p) scores[p] = dot_f32_f16(qh, K + p * kv_stride, hd) * scale;
+    softmax(scores, n_pos);
+    if (round_f16) round_f16_row(scores, scores, n_pos);
+    float* oh = out + h * hd;
+    std::fill(oh, oh + hd, 0.0f);
+    for (int64_t p = 0; p < n_pos; ++p) axpy_f16(oh, scores[p], V + p * kv_stride, hd);
+  }
+}
+
+void swiglu(const float* g, const float* u, float* y, int64_t n) {
+  if (use_f16c()) return swiglu_avx2(g, u, y, n);
+  for (int64_t i = 0; i < n; ++i) y[i] = silu(g[i]) * u[i];
+}
 
 void f32_to_f16_row(const float* x, uint16_t* y, int64_t n) {
   if (use_f16c()) return f32_to_f16_avx2(x, y, n);
@@ -168,6 +318,7 @@ void axpy_f16(float* y, float a, const uint16_t* x, int64_t n) {
 }
 
 void softmax(float* x, int64_t n) {
+  if (use_f16c()) return softmax_avx2(x, n);
   float mx = -INFINITY;
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
   double sum = 0.0;

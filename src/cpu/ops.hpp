@@ -34,6 +34,16 @@ void round_f16_row(const float* x, float* y, int64_t n);  // y = f32(f16(x))
 float dot_f32_f16(const float* a, const uint16_t* b, int64_t n);
 void axpy_f16(float* y, float a, const uint16_t* x, int64_t n);  // y += a * f32(x)
 
+// Attention of `n_heads` query heads (q: n_heads rows of hd) sharing one KV head over cache
+// positions [0, n_pos) (rows kv_stride halves apart): out = softmax(q·K^T · scale) · V per head.
+// round_f16: Q and the probabilities rounded to fp16 first (llama.cpp's CPU path against an fp16
+// cache). scores: n_heads * n_pos floats of scratch. out may alias q.
+void attend(const float* q, int64_t n_heads, int64_t hd, const uint16_t* K, const uint16_t* V, int64_t kv_stride,
+            int64_t n_pos, float scale, bool round_f16, float* scores, float* qbuf, float* out);
+
+// y = x * sigmoid(x) * u over n values (SwiGLU's gate applied to up).
+void swiglu(const float* g, const float* u, float* y, int64_t n);
+
 // Softmax in place with max subtraction; exp sum in double, then one multiply by 1/sum, as ggml's
 // soft_max does.
 void softmax(float* x, int64_t n);

@@ -46,6 +46,12 @@ struct Mapping {
   Mapping& operator=(const Mapping&) = delete;
 };
 
+// Wall time per phase, summed over evals, printed to stderr when the forward is destroyed; on when
+// MOE_CPU_PROFILE is set (for tuning; costs two clock reads per phase).
+enum Phase { kEmbed, kQkv, kRopeKv, kAttention, kWo, kRouter, kGateUp, kDownQuant, kDown, kHead, kPhases };
+inline constexpr const char* kPhaseNames[kPhases] = {"embed",  "norm+qkv", "qk-norm+rope+kv", "attention", "wo",
+                                                     "router", "gate+up", "down quantize",  "down+sum",  "lm head"};
+
 struct State {
   std::shared_ptr<const model::OwnedQuantizedModel> model;
   const model::ModelConfig* c = nullptr;
@@ -55,6 +61,8 @@ struct State {
   Rope rope;
   std::unique_ptr<Mapping> arena, kv;
   int64_t n_ctx = 0, batch = 0;
+  bool profile = false;
+  double phase_s[kPhases] = {};
 
   // shared scratch
   float *x = nullptr, *h = nullptr, *y = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *rope_cs = nullptr,
@@ -83,6 +91,16 @@ struct State {
     pool->run(n, [&fn](int64_t task, int thread) { fn(task, thread); });
   }
 };
+
+double wall_seconds();
+// Profiling laps: t holds the start of the current phase.
+inline double lap_start(const State& s) { return s.profile ? wall_seconds() : 0.0; }
+inline void lap(State& s, Phase p, double& t) {
+  if (!s.profile) return;
+  const double now = wall_seconds();
+  s.phase_s[p] += now - t;
+  t = now;
+}
 
 // One output of a projection: Y[t * y_stride + r] = W.row(r) · X[t].
 struct Proj {
