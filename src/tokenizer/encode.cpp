@@ -306,7 +306,7 @@ std::string Tokenizer::summary() const {
   for (int32_t id : t.eog) eog += fmt::format("{}{}", eog.empty() ? "" : ",", id);
   auto id_str = [](int32_t id) { return id < 0 ? std::string("none") : std::to_string(id); };
   return fmt::format(
-      "tokenizer {} (pre {}): {} tokens, {} merges, {} special; bos {}{}, eos {}, eog [{}]; "
+      "{} byte-level BPE, pre {}, {} tokens, {} merges, {} special; bos {}{}, eos {}, eog [{}]; "
       "chat template {}",
       t.model, t.pre, t.n_vocab, t.n_merges, t.special_all.by_priority.size(), id_str(t.bos),
       t.add_bos ? " (added)" : " (not added)", id_str(t.eos), eog,
