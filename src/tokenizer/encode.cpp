@@ -244,6 +244,10 @@ struct Session {
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special) const {
   const Impl& t = *impl_;
+  // Offsets inside a fragment are 32-bit (half the scratch memory of 64-bit ones).
+  if (text.size() >= UINT32_MAX)
+    fail(Exit::resources, "the text to tokenize is {} bytes; at most {} bytes are supported", text.size(),
+         UINT32_MAX - 1);
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
   std::vector<Segment> segs;
