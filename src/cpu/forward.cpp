@@ -74,7 +74,7 @@ Plan Plan::make(const model::ModelConfig& c, int64_t n_ctx, int64_t batch, int t
   p.t_gather2 = take_t(B * p.gather_row);
   p.t_gate = take_t(B * kExpertRowChunk * 4);
   p.t_up = take_t(B * kExpertRowChunk * 4);
-  p.t_down = take_t(B * K * kDownRowChunk * 4);
+  p.t_down = take_t(std::max(B * K * kDownScratchRows, K * kDownRowChunkMax) * 4);
   p.t_scores = take_t(8 * static_cast<size_t>(n_ctx) * 4);  // up to 8 heads at once
   p.t_head = take_t(static_cast<size_t>(c.n_head) * hd * 4);
   p.per_thread = align64(t);

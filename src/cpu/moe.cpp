@@ -164,21 +164,26 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
 
   // down + weighted sum: tasks are row chunks of n_embd, each runs every active expert on its rows
   // and then combines per token in rank order (y = w0*d0 + w1*d1 + ..., as llama.cpp adds them).
-  const int64_t e_chunks = (E + kDownRowChunk - 1) / kDownRowChunk;
+  // The chunk: as long as the scratch allows for this many slots, with a few tasks per thread.
+  const int64_t scratch_floats = std::max(s.plan.batch * K * kDownScratchRows, K * kDownRowChunkMax);
+  int64_t chunk = std::min<int64_t>(kDownRowChunkMax, scratch_floats / n_slots);
+  chunk = std::min<int64_t>(chunk, std::max<int64_t>(16, E / (4 * s.pool->size())));
+  chunk = std::max<int64_t>(16, chunk / 16 * 16);
+  const int64_t e_chunks = (E + chunk - 1) / chunk;
   s.parallel(e_chunks, [&](int64_t task, int thread) {
-    const int64_t r0 = task * kDownRowChunk, r1 = std::min(E, r0 + kDownRowChunk);
+    const int64_t r0 = task * chunk, r1 = std::min(E, r0 + chunk);
     float* d = reinterpret_cast<float*>(s.thread_block(thread) + s.plan.t_down);
     for (int64_t a = 0; a < n_active; ++a) {
       const int32_t e = s.exp_active[a];
       const uint8_t* act = in_down.rows + static_cast<size_t>(off[e]) * in_down.stride;
       expert_rows(L.ffn_down_exps.expert(e), r0, r1, in_down, act, off[e + 1] - off[e],
-                  d + static_cast<size_t>(off[e]) * kDownRowChunk - r0, kDownRowChunk);
+                  d + static_cast<size_t>(off[e]) * chunk - r0, chunk);
     }
     for (int64_t t = 0; t < n; ++t) {
       float* yr = y + t * E;
       for (int64_t j = 0; j < K; ++j) {
         const float w = s.sel_w[t * K + j];
-        const float* dr = d + static_cast<size_t>(s.slot_of[t * K + j]) * kDownRowChunk - r0;
+        const float* dr = d + static_cast<size_t>(s.slot_of[t * K + j]) * chunk - r0;
         if (j == 0) {
           for (int64_t r = r0; r < r1; ++r) yr[r] = dr[r] * w;
         } else {

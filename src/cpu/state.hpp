@@ -13,8 +13,11 @@ namespace moe::cpu {
 
 // Rows of a weight matrix handed to one task. Chunks are small enough that every thread gets
 // several tasks in decode and large enough that a task amortises its bookkeeping.
-inline constexpr int64_t kExpertRowChunk = 64;  // gate/up rows (of expert_ffn) per task
-inline constexpr int64_t kDownRowChunk = 64;    // down rows (of n_embd) per task
+// Long row runs keep the hardware prefetchers streaming in decode, where a few experts' rows are
+// all the work.
+inline constexpr int64_t kExpertRowChunk = 256;  // gate/up rows (of expert_ffn) per task
+inline constexpr int64_t kDownRowChunkMax = 256;  // down rows (of n_embd) per task, at most
+inline constexpr int64_t kDownScratchRows = 64;   // down scratch: batch * n_used * this many floats
 
 // Buffer sizes of one forward: the single source for memory_bytes() and the allocation.
 struct Plan {
