@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "internal.hpp"
 #include "moe/error.hpp"
@@ -129,8 +130,18 @@ void matmul_rows_fast(const Matrix& W, int64_t r0, int64_t r1, const uint8_t* ac
     return;
   }
   const int64_t rb = row_block(W.row_bytes);
+  detail::DotFastMultiFn multi = detail::active().dot_fast_multi[static_cast<size_t>(W.type)];
   for (int64_t b0 = r0; b0 < r1; b0 += rb) {
     const int64_t b1 = std::min(r1, b0 + rb);
+    if (multi) {
+      // Four activation rows share each unpacked weight row.
+      for (int64_t t = 0; t < n_tok; t += 4) {
+        const int na = static_cast<int>(std::min<int64_t>(4, n_tok - t));
+        const uint8_t* a = acts + static_cast<size_t>(t) * act_stride;
+        for (int64_t r = b0; r < b1; ++r) multi(W.row(r), a, act_stride, na, n, Y + t * y_stride + r, y_stride);
+      }
+      continue;
+    }
     for (int64_t t = 0; t < n_tok; ++t) {
       const uint8_t* a = acts + static_cast<size_t>(t) * act_stride;
       float* y = Y + t * y_stride;
@@ -147,13 +158,34 @@ void matmul_rows_exact(const Matrix& W, int64_t r0, int64_t r1, const float* X, 
     for (int64_t r = r0; r < r1; ++r) Y[r] = fn(W.row(r), X, n);
     return;
   }
-  const int64_t rb = row_block(W.row_bytes);
-  for (int64_t b0 = r0; b0 < r1; b0 += rb) {
-    const int64_t b1 = std::min(r1, b0 + rb);
-    for (int64_t t = 0; t < n_tok; ++t) {
-      const float* x = X + t * x_stride;
-      float* y = Y + t * y_stride;
-      for (int64_t r = b0; r < b1; ++r) y[r] = fn(W.row(r), x, n);
+  // Several tokens: weight rows are dequantized once into a per-thread buffer (at most four rows,
+  // never the matrix) and multiplied with every token's fp32 activations.
+  const detail::Kernels& k = detail::active();
+  auto deq = k.dequant_row[static_cast<size_t>(W.type)];
+  thread_local std::vector<float> rows;
+  if (static_cast<int64_t>(rows.size()) < 4 * n) rows.resize(static_cast<size_t>(4 * n));
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int nr = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    const float* w[4];
+    for (int i = 0; i < nr; ++i) {
+      if (W.type == Type::F32) {
+        w[i] = reinterpret_cast<const float*>(W.row(r + i));
+      } else {
+        deq(W.row(r + i), rows.data() + i * n, n);
+        w[i] = rows.data() + i * n;
+      }
+    }
+    if (k.f32_block) {
+      for (int64_t t = 0; t < n_tok; t += 4) {
+        const int nt = static_cast<int>(std::min<int64_t>(4, n_tok - t));
+        const float* x[4];
+        for (int j = 0; j < nt; ++j) x[j] = X + (t + j) * x_stride;
+        k.f32_block(w, nr, x, nt, n, Y + t * y_stride + r, y_stride);
+      }
+    } else {
+      detail::DotExactFn f32 = k.dot_exact[static_cast<size_t>(Type::F32)];
+      for (int i = 0; i < nr; ++i)
+        for (int64_t t = 0; t < n_tok; ++t) Y[t * y_stride + r + i] = f32(w[i], X + t * x_stride, n);
     }
   }
 }

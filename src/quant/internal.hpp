@@ -80,12 +80,22 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 using QuantizeActFn = void (*)(const float* x, void* dst, int64_t n);
 using DotFastFn = float (*)(const void* w, const void* act, int64_t n);
 using DotExactFn = float (*)(const void* w, const float* x, int64_t n);
+// n_act (1..4) activation rows, act_stride bytes apart, against one weight row; out[a * out_stride].
+// Must give exactly what dot_fast gives for each row.
+using DotFastMultiFn = void (*)(const void* w, const uint8_t* act, size_t act_stride, int n_act, int64_t n, float* out,
+                                int64_t out_stride);
 
 struct Kernels {
   const char* name = "scalar";
   QuantizeActFn quantize_act[kTypeCount] = {};  // indexed by the activation type
   DotFastFn dot_fast[kTypeCount] = {};          // indexed by the weight type
   DotExactFn dot_exact[kTypeCount] = {};        // indexed by the weight type
+  DotFastMultiFn dot_fast_multi[kTypeCount] = {};  // optional (nullptr: one dot_fast per row)
+  // Row dequantization, used by exact-mode prefill; the scalar table fills every weight type.
+  void (*dequant_row[kTypeCount])(const void* src, float* dst, int64_t n) = {};
+  // out[t * out_stride + r] = w[r] · x[t] for r < nr <= 4, t < nt <= 4 (nullptr: not provided).
+  void (*f32_block)(const float* const* w, int nr, const float* const* x, int nt, int64_t n, float* out,
+                    int64_t out_stride) = nullptr;
 };
 
 void fill_scalar_kernels(Kernels& k);

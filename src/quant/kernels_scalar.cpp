@@ -315,6 +315,10 @@ float exact_blocks(const void* w, const float* x, int64_t n) {
   return fold8(lanes);
 }
 
+// Table entries carry no type argument: one instance per type.
+template <Type T>
+void dequant_t(const void* src, float* dst, int64_t n) { dequantize_row(T, src, dst, n); }
+
 }  // namespace
 
 void fill_scalar_kernels(Kernels& k) {
@@ -341,6 +345,19 @@ void fill_scalar_kernels(Kernels& k) {
   k.dot_fast[i(Type::Q5_K)] = dot_q5_k_q8_k;
   k.dot_fast[i(Type::Q6_K)] = dot_q6_k_q8_k;
 
+  k.dequant_row[i(Type::F32)] = dequant_t<Type::F32>;
+  k.dequant_row[i(Type::F16)] = dequant_t<Type::F16>;
+  k.dequant_row[i(Type::BF16)] = dequant_t<Type::BF16>;
+  k.dequant_row[i(Type::Q4_0)] = dequant_t<Type::Q4_0>;
+  k.dequant_row[i(Type::Q4_1)] = dequant_t<Type::Q4_1>;
+  k.dequant_row[i(Type::Q5_0)] = dequant_t<Type::Q5_0>;
+  k.dequant_row[i(Type::Q5_1)] = dequant_t<Type::Q5_1>;
+  k.dequant_row[i(Type::Q8_0)] = dequant_t<Type::Q8_0>;
+  k.dequant_row[i(Type::Q2_K)] = dequant_t<Type::Q2_K>;
+  k.dequant_row[i(Type::Q3_K)] = dequant_t<Type::Q3_K>;
+  k.dequant_row[i(Type::Q4_K)] = dequant_t<Type::Q4_K>;
+  k.dequant_row[i(Type::Q5_K)] = dequant_t<Type::Q5_K>;
+  k.dequant_row[i(Type::Q6_K)] = dequant_t<Type::Q6_K>;
   k.dot_exact[i(Type::F32)] = exact_f32;
   k.dot_exact[i(Type::F16)] = exact_f16;
   k.dot_exact[i(Type::BF16)] = exact_bf16;

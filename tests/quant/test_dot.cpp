@@ -235,7 +235,13 @@ TEST(Matmul, ThreadsAndChunksMatchRowDots) {
                 }
                 const uint8_t* wr = p.w.data() + r * p.row_bytes;
                 float want = mode == q::ActMode::fast ? q::dot_fast(t, wr, act.data(), 512) : q::dot_exact(t, wr, x, 512);
-                ASSERT_EQ(got, want) << name_of(t) << " rows " << rows << " threads " << threads << " tok " << tk << " row " << r;
+                if (mode == q::ActMode::exact && nt > 1) {
+                  // Several tokens share one dequantized row: fp32 rounding differs from dot_exact.
+                  std::vector<float> xv(x, x + 512);
+                  ASSERT_LE(std::fabs(got - want), 2e-6 * mag_dot(p.wd[r], xv) + 1e-30) << name_of(t) << " row " << r;
+                } else {
+                  ASSERT_EQ(got, want) << name_of(t) << " rows " << rows << " threads " << threads << " tok " << tk << " row " << r;
+                }
               }
             }
           }
@@ -350,6 +356,63 @@ TEST(Dot, RandomBlockBytesAllTablesAgree) {
         EXPECT_EQ(want, k.dot_fast[id](w.data(), act.data(), cols)) << k.name << " " << name_of(lay.t) << " cols " << cols;
         float ex = k.dot_exact[id](w.data(), x.data(), cols);
         EXPECT_LE(std::fabs(ex - ref), 1e-5 * std::max(std::fabs(ref), mag / 100)) << k.name << " " << name_of(lay.t);
+      }
+    }
+  }
+}
+
+// The multi-row kernels (prefill) give each row exactly what the single-row kernel gives.
+TEST(Dot, MultiRowKernelsMatchSingleRow) {
+  const uint32_t s = seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << s);
+  std::mt19937 rng(s);
+  const qd::Kernels& sc = qd::kernels(qd::Isa::scalar);
+  for (Type t : kWeights) {
+    const int64_t cols = 1024;
+    Problem p = make_problem(t, 1, cols, rng);
+    const size_t stride = q::act_row_bytes(t, cols) + 64;  // a stride larger than a row
+    std::vector<uint8_t> acts(stride * 4);
+    for (int a = 0; a < 4; ++a) {
+      std::vector<float> x = make_x(cols, rng, a + 0.5f);
+      q::quantize_act(t, x.data(), acts.data() + a * stride, cols);
+    }
+    for (int isa = 0; isa <= static_cast<int>(qd::cpu_isa()); ++isa) {
+      const qd::Kernels& k = qd::kernels(static_cast<qd::Isa>(isa));
+      auto multi = k.dot_fast_multi[static_cast<size_t>(t)];
+      if (!multi) continue;
+      for (int na = 1; na <= 4; ++na) {
+        float out[8];
+        std::fill(out, out + 8, -1.f);
+        multi(p.w.data(), acts.data(), stride, na, cols, out, 2);
+        for (int a = 0; a < 4; ++a) {
+          float want = sc.dot_fast[static_cast<size_t>(t)](p.w.data(), acts.data() + a * stride, cols);
+          if (a < na) {
+            EXPECT_EQ(out[2 * a], want) << k.name << " " << name_of(t) << " na " << na << " row " << a;
+          } else {
+            EXPECT_EQ(out[2 * a], -1.f);
+          }
+          EXPECT_EQ(out[2 * a + 1], -1.f);
+        }
+      }
+    }
+  }
+}
+
+// Every table's row dequantizer (exact-mode prefill) against the independent decoder.
+TEST(Dot, RowDequantizersMatchDecoder) {
+  std::mt19937 rng(seed());
+  for (Type t : kWeights) {
+    Problem p = make_problem(t, 3, 768, rng);
+    for (int isa = 0; isa <= static_cast<int>(qd::cpu_isa()); ++isa) {
+      const qd::Kernels& k = qd::kernels(static_cast<qd::Isa>(isa));
+      ASSERT_NE(k.dequant_row[static_cast<size_t>(t)], nullptr) << k.name << " " << name_of(t);
+      for (int64_t r = 0; r < p.rows; ++r) {
+        std::vector<float> y(768);
+        k.dequant_row[static_cast<size_t>(t)](p.w.data() + r * p.row_bytes, y.data(), 768);
+        double amax = 0;
+        for (double v : p.wd[r]) amax = std::max(amax, std::fabs(v));
+        for (int i = 0; i < 768; ++i)
+          ASSERT_LE(std::fabs(y[i] - p.wd[r][i]), 1e-6 * std::fabs(p.wd[r][i]) + 3e-7 * amax) << k.name << " " << name_of(t) << " " << i;
       }
     }
   }

@@ -105,55 +105,99 @@ inline __m512i dot_i8(__m512i x, __m512i y) {
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), sy);
 }
 
-template <typename Block, typename Codes>
-float dot_legacy8(const Block* x, const BlockQ8_0* y, int64_t nb, Codes codes) {
-  __m256 acc = _mm256_setzero_ps();
+// Legacy blocks, 8 at a time into the 8 canonical lanes (see fold8). NA activation rows share the
+// unpacked codes; each output follows the single-row order exactly.
+template <int NA, typename Block, typename Codes>
+void dot_legacy8(const Block* x, const uint8_t* act, size_t act_stride, int64_t nb, Codes codes, float* out,
+                 int64_t out_stride) {
+  const BlockQ8_0* y[NA];
+  __m256 acc[NA];
+  for (int a = 0; a < NA; ++a) {
+    y[a] = reinterpret_cast<const BlockQ8_0*>(act + a * act_stride);
+    acc[a] = _mm256_setzero_ps();
+  }
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
-    __m256i v[8];
-    for (int k = 0; k < 8; k += 2) {
-      __m512i p = dot_i8(join(codes(x[b + k]), codes(x[b + k + 1])), join(load256(y[b + k].qs), load256(y[b + k + 1].qs)));
-      v[k] = _mm512_castsi512_si256(p);
-      v[k + 1] = _mm512_extracti64x4_epi64(p, 1);
+    __m512i ax[4];
+    __mmask64 neg[4];
+    for (int k = 0; k < 4; ++k) {
+      __m512i c = join(codes(x[b + 2 * k]), codes(x[b + 2 * k + 1]));
+      ax[k] = _mm512_abs_epi8(c);
+      neg[k] = _mm512_movepi8_mask(c);
     }
-    __m256i isum = reduce8(v);
     __m128i xd = _mm_setr_epi16(x[b].d, x[b + 1].d, x[b + 2].d, x[b + 3].d, x[b + 4].d, x[b + 5].d, x[b + 6].d, x[b + 7].d);
-    __m128i yd = _mm_setr_epi16(y[b].d, y[b + 1].d, y[b + 2].d, y[b + 3].d, y[b + 4].d, y[b + 5].d, y[b + 6].d, y[b + 7].d);
-    __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(xd), _mm256_cvtph_ps(yd));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
+    const __m256 xdf = _mm256_cvtph_ps(xd);
+    for (int a = 0; a < NA; ++a) {
+      const BlockQ8_0* ya = y[a] + b;
+      __m256i v[8];
+      for (int k = 0; k < 4; ++k) {
+        __m512i yy = join(load256(ya[2 * k].qs), load256(ya[2 * k + 1].qs));
+        // y negated where x is negative, so |x|·(±y) = x·y (activations are never -128).
+        __m512i sy = _mm512_mask_sub_epi8(yy, neg[k], _mm512_setzero_si512(), yy);
+        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ax[k], sy);
+        v[2 * k] = _mm512_castsi512_si256(p);
+        v[2 * k + 1] = _mm512_extracti64x4_epi64(p, 1);
+      }
+      __m256i isum = reduce8(v);
+      __m128i yd = _mm_setr_epi16(ya[0].d, ya[1].d, ya[2].d, ya[3].d, ya[4].d, ya[5].d, ya[6].d, ya[7].d);
+      __m256 dd = _mm256_mul_ps(xdf, _mm256_cvtph_ps(yd));
+      acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
+    }
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (; b < nb; ++b) {
-    __m512i p = dot_i8(_mm512_castsi256_si512(codes(x[b])), _mm512_castsi256_si512(load256(y[b].qs)));
-    int s = hsum_i32(_mm512_castsi512_si256(p));
-    lanes[b % 8] += (h2f(x[b].d) * h2f(y[b].d)) * static_cast<float>(s);
+  for (int a = 0; a < NA; ++a) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[a]);
+    for (int64_t bb = b; bb < nb; ++bb) {
+      __m512i p = dot_i8(_mm512_castsi256_si512(codes(x[bb])), _mm512_castsi256_si512(load256(y[a][bb].qs)));
+      int s = hsum_i32(_mm512_castsi512_si256(p));
+      lanes[bb % 8] += (h2f(x[bb].d) * h2f(y[a][bb].d)) * static_cast<float>(s);
+    }
+    out[a * out_stride] = fold8(lanes);
   }
-  return fold8(lanes);
 }
 
-float dot_q8_0_q8_0(const void* w, const void* a, int64_t n) {
-  return dot_legacy8(static_cast<const BlockQ8_0*>(w), static_cast<const BlockQ8_0*>(a), n / kQK,
-                     [](const BlockQ8_0& x) { return load256(x.qs); });
-}
-
-float dot_q4_0_q8_0(const void* w, const void* a, int64_t n) {
-  return dot_legacy8(static_cast<const BlockQ4_0*>(w), static_cast<const BlockQ8_0*>(a), n / kQK, [](const BlockQ4_0& x) {
+struct Q8Codes {
+  __m256i operator()(const BlockQ8_0& x) const { return load256(x.qs); }
+};
+struct Q4Codes {
+  __m256i operator()(const BlockQ4_0& x) const {
     __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.qs));
     __m256i qq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xF));
     return _mm256_sub_epi8(qq, _mm256_set1_epi8(8));
-  });
+  }
+};
+
+template <int NA> struct Q80 {
+  static void run(const void* w, const uint8_t* a, size_t s, int64_t n, float* o, int64_t os) {
+    dot_legacy8<NA>(static_cast<const BlockQ8_0*>(w), a, s, n / kQK, Q8Codes{}, o, os);
+  }
+};
+template <int NA> struct Q40 {
+  static void run(const void* w, const uint8_t* a, size_t s, int64_t n, float* o, int64_t os) {
+    dot_legacy8<NA>(static_cast<const BlockQ4_0*>(w), a, s, n / kQK, Q4Codes{}, o, os);
+  }
+};
+
+float dot_q8_0_q8_0(const void* w, const void* a, int64_t n) {
+  float r;
+  Q80<1>::run(w, static_cast<const uint8_t*>(a), 0, n, &r, 0);
+  return r;
+}
+float dot_q4_0_q8_0(const void* w, const void* a, int64_t n) {
+  float r;
+  Q40<1>::run(w, static_cast<const uint8_t*>(a), 0, n, &r, 0);
+  return r;
 }
 
 // Q4_K/Q5_K: per 64-element chunk one zmm of codes (low nibbles = sub-block 2c, high = 2c+1),
 // u8·s8 pairs to int16 (exact: 31·127·2 < 2^15), then a 16-bit multiply-add with the scales.
-template <bool kFive>
-float dot_k4(const void* w, const void* a, int64_t n) {
+// NA activation rows share the unpacked weights (prefill); each output follows the single-row order.
+template <bool kFive, int NA>
+void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
   const uint8_t* base = static_cast<const uint8_t*>(w);
   const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
-  auto* y = static_cast<const BlockQ8_K*>(a);
   const __m256i m4 = _mm256_set1_epi8(0xF);
-  float sumf = 0;
+  float sumf[NA] = {};
   for (int64_t b = 0; b < n / kQKK; ++b) {
     const uint8_t* blk = base + b * bytes;
     uint16_t d, dmin;
@@ -163,7 +207,12 @@ float dot_k4(const void* w, const void* a, int64_t n) {
     unpack_k4(blk + 4, sc8, m8);
     const uint8_t* qs = blk + (kFive ? 48 : 16);
     const __m512i scp = pairs16(sc8);
-    __m512i acc = _mm512_setzero_si512();
+    const BlockQ8_K* y[NA];
+    __m512i acc[NA];
+    for (int a = 0; a < NA; ++a) {
+      y[a] = reinterpret_cast<const BlockQ8_K*>(act + a * act_stride) + b;
+      acc[a] = _mm512_setzero_si512();
+    }
     __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       __m256i q = load256(qs + 32 * c);
@@ -173,58 +222,101 @@ float dot_k4(const void* w, const void* a, int64_t n) {
         lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16)));
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16)));
       }
-      __m512i p = _mm512_maddubs_epi16(join(lo, hi), _mm512_loadu_si512(y[b].qs + 64 * c));
+      const __m512i codes = join(lo, hi);
       const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
                                            2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
-      acc = _mm512_dpwssd_epi32(acc, p, _mm512_permutexvar_epi32(idx, scp));
+      const __m512i sv = _mm512_permutexvar_epi32(idx, scp);
+      for (int a = 0; a < NA; ++a)
+        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(codes, _mm512_loadu_si512(y[a]->qs + 64 * c)), sv);
     }
     // Σ_s m_s·(bsum_2s + bsum_2s+1): one 16-bit multiply-add of the bsums against (m_s, m_s) pairs.
-    __m256i mp = _mm512_castsi512_si256(pairs16(m8));
-    int imin = hsum_i32(_mm256_madd_epi16(load256(y[b].bsums), mp));
-    int isum = hsum_i32(acc);
-    sumf += h2f(d) * y[b].d * static_cast<float>(isum);
-    sumf -= h2f(dmin) * y[b].d * static_cast<float>(imin);
+    const __m256i mp = _mm512_castsi512_si256(pairs16(m8));
+    const float fd = h2f(d), fm = h2f(dmin);
+    for (int a = 0; a < NA; ++a) {
+      int imin = hsum_i32(_mm256_madd_epi16(load256(y[a]->bsums), mp));
+      int isum = hsum_i32(acc[a]);
+      sumf[a] += fd * y[a]->d * static_cast<float>(isum);
+      sumf[a] -= fm * y[a]->d * static_cast<float>(imin);
+    }
   }
-  return sumf;
+  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
 }
 
-float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) { return dot_k4<false>(w, a, n); }
-float dot_q5_k_q8_k(const void* w, const void* a, int64_t n) { return dot_k4<true>(w, a, n); }
-
 // Q6_K: 64 codes (0..63) per zmm; each 128-bit lane is one group of 16 with its own scale.
-float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
+template <int NA>
+void dot_q6_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
   auto* x = static_cast<const BlockQ6_K*>(w);
-  auto* y = static_cast<const BlockQ8_K*>(a);
   const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
-  float sumf = 0;
+  float sumf[NA] = {};
   for (int64_t b = 0; b < n / kQKK; ++b) {
-    const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales)));
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
+    const __m512i s32 = _mm512_cvtepi8_epi32(s8);
     const __m512i sp = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
-    __m512i acc = _mm512_setzero_si512();
+    const BlockQ8_K* y[NA];
+    __m512i acc[NA];
+    for (int a = 0; a < NA; ++a) {
+      y[a] = reinterpret_cast<const BlockQ8_K*>(act + a * act_stride) + b;
+      acc[a] = _mm512_setzero_si512();
+    }
     for (int nn = 0; nn < 2; ++nn) {
       const __m512i L = _mm512_loadu_si512(x[b].ql + 64 * nn);
       const __m256i H = load256(x[b].qh + 32 * nn);
       // Elements 0..63 of the half: low nibbles, high bits (H>>0)&3 then (H>>2)&3.
-      __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
-                                  _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
+      const __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                        _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
       // Elements 64..127: high nibbles, high bits (H>>4)&3 then (H>>6)&3.
-      __m512i B = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                  _mm512_and_si512(join(H, _mm256_srli_epi16(H, 2)), m3));
-      __m512i pa = _mm512_maddubs_epi16(A, _mm512_loadu_si512(y[b].qs + 128 * nn));
-      __m512i pb = _mm512_maddubs_epi16(B, _mm512_loadu_si512(y[b].qs + 128 * nn + 64));
+      const __m512i B = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                        _mm512_and_si512(join(H, _mm256_srli_epi16(H, 2)), m3));
       const int g = 8 * nn;
       const __m512i ia = _mm512_set_epi32(g + 3, g + 3, g + 3, g + 3, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1, g + 1, g + 1, g, g, g, g);
-      const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(4));
-      acc = _mm512_dpwssd_epi32(acc, pa, _mm512_permutexvar_epi32(ia, sp));
-      acc = _mm512_dpwssd_epi32(acc, pb, _mm512_permutexvar_epi32(ib, sp));
+      const __m512i sa = _mm512_permutexvar_epi32(ia, sp);
+      const __m512i sb = _mm512_permutexvar_epi32(_mm512_add_epi32(ia, _mm512_set1_epi32(4)), sp);
+      for (int a = 0; a < NA; ++a) {
+        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(A, _mm512_loadu_si512(y[a]->qs + 128 * nn)), sa);
+        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(B, _mm512_loadu_si512(y[a]->qs + 128 * nn + 64)), sb);
+      }
     }
-    __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales)));
-    int ioff = hsum_i32(_mm256_madd_epi16(load256(y[b].bsums), s16)) * 32;
-    int isum = hsum_i32(acc) - ioff;
-    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
+    // Σ_g S_g·32·bsum_g, subtracted for the -32 offset of every code.
+    const __m256i s16 = _mm256_cvtepi8_epi16(s8);
+    const float fd = h2f(x[b].d);
+    for (int a = 0; a < NA; ++a) {
+      int ioff = hsum_i32(_mm256_madd_epi16(load256(y[a]->bsums), s16)) * 32;
+      int isum = hsum_i32(acc[a]) - ioff;
+      sumf[a] += fd * y[a]->d * static_cast<float>(isum);
+    }
   }
-  return sumf;
+  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
 }
+
+float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) {
+  float r;
+  dot_k4<false, 1>(w, static_cast<const uint8_t*>(a), 0, n, &r, 0);
+  return r;
+}
+float dot_q5_k_q8_k(const void* w, const void* a, int64_t n) {
+  float r;
+  dot_k4<true, 1>(w, static_cast<const uint8_t*>(a), 0, n, &r, 0);
+  return r;
+}
+float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
+  float r;
+  dot_q6_k<1>(w, static_cast<const uint8_t*>(a), 0, n, &r, 0);
+  return r;
+}
+
+// Up to four activation rows against one weight row.
+template <template <int> class K>
+void multi(const void* w, const uint8_t* act, size_t stride, int n_act, int64_t n, float* out, int64_t ostride) {
+  switch (n_act) {
+    case 1: K<1>::run(w, act, stride, n, out, ostride); break;
+    case 2: K<2>::run(w, act, stride, n, out, ostride); break;
+    case 3: K<3>::run(w, act, stride, n, out, ostride); break;
+    default: K<4>::run(w, act, stride, n, out, ostride); break;
+  }
+}
+template <int NA> struct Q4K { static void run(const void* w, const uint8_t* a, size_t s, int64_t n, float* o, int64_t os) { dot_k4<false, NA>(w, a, s, n, o, os); } };
+template <int NA> struct Q5K { static void run(const void* w, const uint8_t* a, size_t s, int64_t n, float* o, int64_t os) { dot_k4<true, NA>(w, a, s, n, o, os); } };
+template <int NA> struct Q6K { static void run(const void* w, const uint8_t* a, size_t s, int64_t n, float* o, int64_t os) { dot_q6_k<NA>(w, a, s, n, o, os); } };
 
 // ---- exact mode ---------------------------------------------------------------------------------
 inline float hsum_ps(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -338,6 +430,129 @@ float exact_q6_k(const void* w, const float* x, int64_t n) {
   return hsum_ps(_mm512_add_ps(acc0, acc1));
 }
 
+// ---- row dequantization (exact-mode prefill: one weight row serves every token) -----------------
+void deq_row_q8_0(const void* w, float* y, int64_t n) {
+  auto* b = static_cast<const BlockQ8_0*>(w);
+  for (int64_t i = 0; i < n / kQK; ++i, y += kQK) {
+    __m512 d = _mm512_set1_ps(h2f(b[i].d));
+    _mm512_storeu_ps(y, _mm512_mul_ps(d, i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i].qs)))));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i].qs + 16)))));
+  }
+}
+
+template <bool kFive>
+void deq_row_k4(const void* w, float* y, int64_t n) {
+  const uint8_t* base = static_cast<const uint8_t*>(w);
+  const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  for (int64_t b = 0; b < n / kQKK; ++b, y += kQKK) {
+    const uint8_t* blk = base + b * bytes;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    uint64_t sc8, m8;
+    unpack_k4(blk + 4, sc8, m8);
+    alignas(32) float dl[8], ml[8];
+    _mm256_store_ps(dl, _mm256_mul_ps(_mm256_set1_ps(h2f(dh)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
+    _mm256_store_ps(ml, _mm256_mul_ps(_mm256_set1_ps(h2f(mh)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))))));
+    const uint8_t* qs = blk + (kFive ? 48 : 16);
+    __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i q = load256(qs + 32 * c);
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if constexpr (kFive) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16)));
+      }
+      const __m512 d0 = _mm512_set1_ps(dl[2 * c]), m0 = _mm512_set1_ps(ml[2 * c]);
+      const __m512 d1 = _mm512_set1_ps(dl[2 * c + 1]), m1 = _mm512_set1_ps(ml[2 * c + 1]);
+      float* o = y + 64 * c;
+      _mm512_storeu_ps(o, _mm512_fmsub_ps(d0, u8x16_ps(_mm256_castsi256_si128(lo)), m0));
+      _mm512_storeu_ps(o + 16, _mm512_fmsub_ps(d0, u8x16_ps(_mm256_extracti128_si256(lo, 1)), m0));
+      _mm512_storeu_ps(o + 32, _mm512_fmsub_ps(d1, u8x16_ps(_mm256_castsi256_si128(hi)), m1));
+      _mm512_storeu_ps(o + 48, _mm512_fmsub_ps(d1, u8x16_ps(_mm256_extracti128_si256(hi, 1)), m1));
+    }
+  }
+}
+
+void deq_row_q6_k(const void* w, float* y, int64_t n) {
+  auto* b = static_cast<const BlockQ6_K*>(w);
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+  for (int64_t i = 0; i < n / kQKK; ++i, y += kQKK) {
+    alignas(64) float ds[16];
+    _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(h2f(b[i].d)),
+                                      i8x16_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i].scales)))));
+    for (int nn = 0; nn < 2; ++nn) {
+      const __m512i L = _mm512_loadu_si512(b[i].ql + 64 * nn);
+      const __m256i H = load256(b[i].qh + 32 * nn);
+      __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                  _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
+      __m512i B = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                  _mm512_and_si512(join(H, _mm256_srli_epi16(H, 2)), m3));
+      A = _mm512_sub_epi8(A, off);
+      B = _mm512_sub_epi8(B, off);
+      float* o = y + 128 * nn;
+      const float* dsn = ds + 8 * nn;
+      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(dsn[0]), i8x16_ps(_mm512_extracti32x4_epi32(A, 0))));
+      _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_set1_ps(dsn[1]), i8x16_ps(_mm512_extracti32x4_epi32(A, 1))));
+      _mm512_storeu_ps(o + 32, _mm512_mul_ps(_mm512_set1_ps(dsn[2]), i8x16_ps(_mm512_extracti32x4_epi32(A, 2))));
+      _mm512_storeu_ps(o + 48, _mm512_mul_ps(_mm512_set1_ps(dsn[3]), i8x16_ps(_mm512_extracti32x4_epi32(A, 3))));
+      _mm512_storeu_ps(o + 64, _mm512_mul_ps(_mm512_set1_ps(dsn[4]), i8x16_ps(_mm512_extracti32x4_epi32(B, 0))));
+      _mm512_storeu_ps(o + 80, _mm512_mul_ps(_mm512_set1_ps(dsn[5]), i8x16_ps(_mm512_extracti32x4_epi32(B, 1))));
+      _mm512_storeu_ps(o + 96, _mm512_mul_ps(_mm512_set1_ps(dsn[6]), i8x16_ps(_mm512_extracti32x4_epi32(B, 2))));
+      _mm512_storeu_ps(o + 112, _mm512_mul_ps(_mm512_set1_ps(dsn[7]), i8x16_ps(_mm512_extracti32x4_epi32(B, 3))));
+    }
+  }
+}
+
+// ---- fp32 block product for exact-mode prefill: R weight rows x T token rows -------------------
+// R·T accumulators stay in registers over the whole row, so each loaded vector feeds R or T FMAs.
+template <int R, int T>
+void f32_block(const float* const* w, const float* const* x, int64_t n, float* out, int64_t out_stride) {
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_ps(x[t] + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_loadu_ps(w[r] + i);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+    }
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_ps(k, x[t] + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(k, w[r] + i);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) out[t * out_stride + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+template <int R>
+void f32_block_t(const float* const* w, int nr, const float* const* x, int nt, int64_t n, float* out, int64_t os) {
+  switch (nt) {
+    case 1: f32_block<R, 1>(w, x, n, out, os); break;
+    case 2: f32_block<R, 2>(w, x, n, out, os); break;
+    case 3: f32_block<R, 3>(w, x, n, out, os); break;
+    default: f32_block<R, 4>(w, x, n, out, os); break;
+  }
+}
+
+void f32_block_any(const float* const* w, int nr, const float* const* x, int nt, int64_t n, float* out, int64_t os) {
+  switch (nr) {
+    case 1: f32_block_t<1>(w, nr, x, nt, n, out, os); break;
+    case 2: f32_block_t<2>(w, nr, x, nt, n, out, os); break;
+    case 3: f32_block_t<3>(w, nr, x, nt, n, out, os); break;
+    default: f32_block_t<4>(w, nr, x, nt, n, out, os); break;
+  }
+}
+
 }  // namespace
 
 void fill_avx512_kernels(Kernels& k) {
@@ -349,7 +564,17 @@ void fill_avx512_kernels(Kernels& k) {
   k.dot_fast[i(Type::Q4_K)] = dot_q4_k_q8_k;
   k.dot_fast[i(Type::Q5_K)] = dot_q5_k_q8_k;
   k.dot_fast[i(Type::Q6_K)] = dot_q6_k_q8_k;
+  k.dot_fast_multi[i(Type::Q4_0)] = multi<Q40>;
+  k.dot_fast_multi[i(Type::Q8_0)] = multi<Q80>;
+  k.dot_fast_multi[i(Type::Q4_K)] = multi<Q4K>;
+  k.dot_fast_multi[i(Type::Q5_K)] = multi<Q5K>;
+  k.dot_fast_multi[i(Type::Q6_K)] = multi<Q6K>;
   k.dot_fast[i(Type::F32)] = fast_f32;
+  k.f32_block = f32_block_any;
+  k.dequant_row[i(Type::Q8_0)] = deq_row_q8_0;
+  k.dequant_row[i(Type::Q4_K)] = deq_row_k4<false>;
+  k.dequant_row[i(Type::Q5_K)] = deq_row_k4<true>;
+  k.dequant_row[i(Type::Q6_K)] = deq_row_q6_k;
   k.dot_exact[i(Type::F32)] = exact_f32;
   k.dot_exact[i(Type::Q8_0)] = exact_q8_0;
   k.dot_exact[i(Type::Q4_K)] = exact_q4_k;
