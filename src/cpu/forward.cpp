@@ -46,7 +46,6 @@ Plan Plan::make(const model::ModelConfig& c, int64_t n_ctx, int64_t batch, int t
   };
   p.x = take(B * E * 4);
   p.h = take(B * E * 4);
-  p.y = take(B * E * 4);
   p.q = take(B * qd * 4);
   p.k = take(B * kvd * 4);
   p.v = take(B * kvd * 4);
@@ -280,7 +279,7 @@ class CpuForward final : public Forward {
     auto i32 = [base](size_t off) { return reinterpret_cast<int32_t*>(base + off); };
     s_.x = f(p.x);
     s_.h = f(p.h);
-    s_.y = f(p.y);
+    s_.y = s_.h;
     s_.q = f(p.q);
     s_.k = f(p.k);
     s_.v = f(p.v);

@@ -121,6 +121,13 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   const ExpertInput in_gate = expert_input(s, L.ffn_gate_exps.type, h, n, 0, nullptr, L.ffn_gate_exps.type);
   const ExpertInput in_up = expert_input(s, L.ffn_up_exps.type, h, n, 1, &in_gate, L.ffn_gate_exps.type);
   const bool same_input = in_up.rows == in_gate.rows;
+  // In fast mode each task quantizes its slice of a for the down matrix right away (chunks start on
+  // multiples of 256, a multiple of every activation block), so a never exists in FP32.
+  const quant::Type dt = L.ffn_down_exps.type;
+  const bool quantize_down = s.mode == quant::ActMode::fast && quant::act_type(dt) != quant::Type::F32;
+  const size_t qa_stride = quantize_down ? quant::act_row_bytes(dt, F) : 0;
+  const gguf::TypeTraits act_traits = gguf::type_traits(quant::act_type(dt));
+  static_assert(kExpertRowChunk % 256 == 0);
   const int64_t f_chunks = (F + kExpertRowChunk - 1) / kExpertRowChunk;
   s.parallel(n_active * f_chunks, [&](int64_t task, int thread) {
     const int32_t e = s.exp_active[task / f_chunks];
@@ -135,32 +142,24 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
     expert_rows(L.ffn_gate_exps.expert(e), r0, r1, in_gate, ag, n_tok, g - r0, kExpertRowChunk);
     expert_rows(L.ffn_up_exps.expert(e), r0, r1, in_up, au, n_tok, u - r0, kExpertRowChunk);
     for (int64_t j = 0; j < n_tok; ++j) {
-      float* arow = s.a + static_cast<size_t>(off[e] + j) * F;
-      const float* gr = g + j * kExpertRowChunk;
+      const size_t slot = static_cast<size_t>(off[e] + j);
+      float* gr = g + j * kExpertRowChunk;
       const float* ur = u + j * kExpertRowChunk;
-      swiglu(gr, ur, arow + r0, r1 - r0);
+      if (quantize_down) {
+        swiglu(gr, ur, gr, r1 - r0);
+        quant::quantize_act(dt, gr, s.qa + slot * qa_stride + static_cast<size_t>(r0 / act_traits.block_elems) * act_traits.block_bytes,
+                            r1 - r0);
+      } else {
+        swiglu(gr, ur, s.a + slot * F + r0, r1 - r0);
+      }
     }
   });
 
   lap(s, kGateUp, tp);
 
-  // down input: the slots' a rows, quantized once each for the down matrix.
-  const quant::Type dt = L.ffn_down_exps.type;
-  ExpertInput in_down{reinterpret_cast<const uint8_t*>(s.a), static_cast<size_t>(F) * sizeof(float), true};
+  const ExpertInput in_down = quantize_down ? ExpertInput{s.qa, qa_stride, false}
+                                            : ExpertInput{reinterpret_cast<const uint8_t*>(s.a), static_cast<size_t>(F) * sizeof(float), true};
   const int64_t n_slots = n * K;
-  if (s.mode == quant::ActMode::fast && quant::act_type(dt) != quant::Type::F32) {
-    in_down = ExpertInput{s.qa, quant::act_row_bytes(dt, F), false};
-    const auto quantize = [&](int64_t i, int) {
-      quant::quantize_act(dt, s.a + static_cast<size_t>(i) * F, s.qa + static_cast<size_t>(i) * in_down.stride, F);
-    };
-    if (n_slots <= 16) {
-      for (int64_t i = 0; i < n_slots; ++i) quantize(i, 0);
-    } else {
-      s.parallel(n_slots, quantize);
-    }
-  }
-
-  lap(s, kDownQuant, tp);
 
   // down + weighted sum: tasks are row chunks of n_embd, each runs every active expert on its rows
   // and then combines per token in rank order (y = w0*d0 + w1*d1 + ..., as llama.cpp adds them).

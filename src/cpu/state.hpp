@@ -27,7 +27,7 @@ struct Plan {
   size_t act_row_ffn = 0;  // ... of expert_ffn
   size_t gather_row = 0;   // bytes of one gathered expert input row (fast or exact)
   // offsets into the arena
-  size_t x, h, y, q, k, v, rope, router, sel_id, sel_w, slot_of, slot_tok, exp_count, exp_off,
+  size_t x, h, q, k, v, rope, router, sel_id, sel_w, slot_of, slot_tok, exp_count, exp_off,
       exp_active, qx, a, qa;
   size_t per_thread_base, per_thread;  // per-thread block: gather, gate, up, down, scores, head
   size_t t_gather, t_gather2, t_gate, t_up, t_down, t_scores, t_head;
@@ -51,9 +51,9 @@ struct Mapping {
 
 // Wall time per phase, summed over evals, printed to stderr when the forward is destroyed; on when
 // MOE_CPU_PROFILE is set (for tuning; costs two clock reads per phase).
-enum Phase { kEmbed, kQkv, kRopeKv, kAttention, kWo, kRouter, kGateUp, kDownQuant, kDown, kHead, kPhases };
+enum Phase { kEmbed, kQkv, kRopeKv, kAttention, kWo, kRouter, kGateUp, kDown, kHead, kPhases };
 inline constexpr const char* kPhaseNames[kPhases] = {"embed",  "norm+qkv", "qk-norm+rope+kv", "attention", "wo",
-                                                     "router", "gate+up", "down quantize",  "down+sum",  "lm head"};
+                                                     "router", "gate+up",  "down+sum",        "lm head"};
 
 struct State {
   std::shared_ptr<const model::OwnedQuantizedModel> model;
@@ -67,7 +67,8 @@ struct State {
   bool profile = false;
   double phase_s[kPhases] = {};
 
-  // shared scratch
+  // shared scratch; y (the Wo and MoE outputs) shares h's memory: h is dead by the time either
+  // is written (Q/K/V are projected, the experts' inputs gathered)
   float *x = nullptr, *h = nullptr, *y = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *rope_cs = nullptr,
         *router = nullptr, *sel_w = nullptr, *a = nullptr;
   int32_t *sel_id = nullptr, *slot_of = nullptr, *slot_tok = nullptr, *exp_count = nullptr, *exp_off = nullptr,
