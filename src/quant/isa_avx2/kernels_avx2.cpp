@@ -468,6 +468,38 @@ float exact_q6_k(const void* w, const float* x, int64_t n) {
   return hsum_ps(_mm256_add_ps(acc0, acc1));
 }
 
+// F16/BF16 weights with F16/BF16 activations: one accumulator, so lane k sums elements k, k+8, ...
+// in order, then the same fold as the scalar kernel.
+template <bool kBf16>
+float dot_h16(const void* w, const void* a, int64_t n) {
+  auto* wh = static_cast<const uint16_t*>(w);
+  auto* ah = static_cast<const uint16_t*>(a);
+  auto load8 = [](const uint16_t* p) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (kBf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    else return _mm256_cvtph_ps(v);
+  };
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(load8(wh + i), load8(ah + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (; i < n; ++i) {
+    float wv = kBf16 ? bf16_to_f32(wh[i]) : h2f(wh[i]);
+    float av = kBf16 ? bf16_to_f32(ah[i]) : h2f(ah[i]);
+    lanes[i % 8] += wv * av;
+  }
+  return fold8(lanes);
+}
+
+void act_f16(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) out[i] = f32_to_fp16(x[i]);
+}
+
 float fast_f32(const void* w, const void* x, int64_t n) { return exact_f32(w, static_cast<const float*>(x), n); }
 
 }  // namespace
@@ -485,6 +517,9 @@ void fill_avx2_kernels(Kernels& k) {
   k.dot_fast[i(Type::Q5_K)] = dot_q5_k_q8_k;
   k.dot_fast[i(Type::Q6_K)] = dot_q6_k_q8_k;
   k.dot_fast[i(Type::F32)] = fast_f32;  // F32 weights pair with F32 activations
+  k.dot_fast[i(Type::F16)] = dot_h16<false>;
+  k.dot_fast[i(Type::BF16)] = dot_h16<true>;
+  k.quantize_act[i(Type::F16)] = act_f16;
   k.dot_exact[i(Type::F32)] = exact_f32;
   k.dot_exact[i(Type::F16)] = exact_f16;
   k.dot_exact[i(Type::BF16)] = exact_bf16;
