@@ -27,6 +27,8 @@ enum TokenAttr : uint8_t {
   kAttrByte = 32,
 };
 
+// Copies are cheap and share the loaded vocabulary (immutable; encode/decode are thread-safe). A
+// default-constructed Tokenizer is empty: assign one from from_gguf() before use.
 class Tokenizer {
  public:
   // From tokenizer.ggml.* metadata (model "gpt2", pre "qwen2" and its aliases). Throws
@@ -76,7 +78,7 @@ class StreamDecoder {
   std::string finish();
 
  private:
-  const Tokenizer* tok_;
+  Tokenizer tok_;  // a shared copy: the decoder does not depend on the caller's object living on
   std::string pending_;
 };
 

@@ -38,9 +38,9 @@ size_t missing_bytes(const unsigned char* s, size_t n, size_t i) {
 
 }  // namespace
 
-StreamDecoder::StreamDecoder(const Tokenizer& tok) : tok_(&tok) {}
+StreamDecoder::StreamDecoder(const Tokenizer& tok) : tok_(tok) {}
 
-std::string StreamDecoder::push(int32_t id) { return push_bytes(tok_->piece_ref(id)); }
+std::string StreamDecoder::push(int32_t id) { return push_bytes(tok_.piece_ref(id)); }
 
 std::string StreamDecoder::push_bytes(std::string_view bytes) {
   pending_.append(bytes);
