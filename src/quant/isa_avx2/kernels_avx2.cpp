@@ -303,6 +303,123 @@ float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
   return sumf;
 }
 
+// Q4_1/Q5_1 against Q8_1: codes are unsigned, the min term uses the activation's stored d·Σq.
+// Lane b % 8 gets (dw·da)·isum + m·s, as in the scalar kernel.
+template <typename Block, typename Codes>
+float dot_legacy8_q8_1(const Block* x, const BlockQ8_1* y, int64_t nb, Codes codes) {
+  auto block_dot = [&](int64_t b) {
+    __m256i p = _mm256_maddubs_epi16(codes(x[b]), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs)));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  };
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i v[8];
+    for (int k = 0; k < 8; ++k) v[k] = block_dot(b + k);
+    __m256i isum = reduce8(v);
+    __m128i xd = _mm_setr_epi16(x[b].d, x[b + 1].d, x[b + 2].d, x[b + 3].d, x[b + 4].d, x[b + 5].d, x[b + 6].d, x[b + 7].d);
+    __m128i yd = _mm_setr_epi16(y[b].d, y[b + 1].d, y[b + 2].d, y[b + 3].d, y[b + 4].d, y[b + 5].d, y[b + 6].d, y[b + 7].d);
+    __m128i xm = _mm_setr_epi16(x[b].m, x[b + 1].m, x[b + 2].m, x[b + 3].m, x[b + 4].m, x[b + 5].m, x[b + 6].m, x[b + 7].m);
+    __m128i ys = _mm_setr_epi16(y[b].s, y[b + 1].s, y[b + 2].s, y[b + 3].s, y[b + 4].s, y[b + 5].s, y[b + 6].s, y[b + 7].s);
+    __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(xd), _mm256_cvtph_ps(yd));
+    __m256 ms = _mm256_mul_ps(_mm256_cvtph_ps(xm), _mm256_cvtph_ps(ys));
+    acc = _mm256_add_ps(acc, _mm256_add_ps(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)), ms));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (; b < nb; ++b)
+    lanes[b % 8] += (h2f(x[b].d) * h2f(y[b].d)) * static_cast<float>(hsum_i32(block_dot(b))) + h2f(x[b].m) * h2f(y[b].s);
+  return fold8(lanes);
+}
+
+// Byte j of the result is 16 when bit j of the 32-bit word h is set.
+inline __m256i fifth_bits(uint32_t h) {
+  __m256i hv = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h)),
+                                   _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit), _mm256_set1_epi8(16));
+}
+
+inline __m256i nibbles32(const uint8_t* qs) {
+  __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xF));
+}
+
+float dot_q4_1_q8_1(const void* w, const void* a, int64_t n) {
+  return dot_legacy8_q8_1(static_cast<const BlockQ4_1*>(w), static_cast<const BlockQ8_1*>(a), n / kQK,
+                          [](const BlockQ4_1& x) { return nibbles32(x.qs); });
+}
+
+float dot_q5_1_q8_1(const void* w, const void* a, int64_t n) {
+  return dot_legacy8_q8_1(static_cast<const BlockQ5_1*>(w), static_cast<const BlockQ8_1*>(a), n / kQK,
+                          [](const BlockQ5_1& x) {
+                            uint32_t h;
+                            std::memcpy(&h, x.qh, 4);
+                            return _mm256_or_si256(nibbles32(x.qs), fifth_bits(h));
+                          });
+}
+
+// Q2_K: 2-bit codes, 4-bit scales and mins per 16 elements.
+float dot_q2_k_q8_k(const void* w, const void* a, int64_t n) {
+  auto* x = static_cast<const BlockQ2_K*>(w);
+  auto* y = static_cast<const BlockQ8_K*>(a);
+  const __m256i m3 = _mm256_set1_epi8(3);
+  float sumf = 0;
+  for (int64_t b = 0; b < n / kQKK; ++b) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(0xF)));
+    alignas(16) uint8_t s4[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(s4), _mm_and_si128(sc, _mm_set1_epi8(0xF)));
+    __m256i acc = _mm256_setzero_si256();
+    for (int nn = 0; nn < 2; ++nn) {
+      const __m256i Q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs + 32 * nn));
+      for (int j = 0; j < 4; ++j) {
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * j), m3);
+        __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 128 * nn + 32 * j)));
+        int g = 8 * nn + 2 * j;
+        __m256i sv = _mm256_set_m128i(_mm_set1_epi16(s4[g + 1]), _mm_set1_epi16(s4[g]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
+      }
+    }
+    int imin = hsum_i32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums)), mins));
+    int isum = hsum_i32(acc);
+    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf -= h2f(x[b].dmin) * y[b].d * static_cast<float>(imin);
+  }
+  return sumf;
+}
+
+// Q3_K: codes u = low2 + 4·hbit in 0..7 (q = u − 4); the −4 is taken out with the bsums.
+float dot_q3_k_q8_k(const void* w, const void* a, int64_t n) {
+  auto* x = static_cast<const BlockQ3_K*>(w);
+  auto* y = static_cast<const BlockQ8_K*>(a);
+  const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  float sumf = 0;
+  for (int64_t b = 0; b < n / kQKK; ++b) {
+    alignas(32) int16_t sc[16];
+    for (int i = 0; i < 16; ++i) sc[i] = static_cast<int16_t>(scale_q3k(i, x[b].scales));
+    const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].hmask));
+    __m256i acc = _mm256_setzero_si256();
+    for (int nn = 0; nn < 2; ++nn) {
+      const __m256i Q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs + 32 * nn));
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo = _mm256_and_si256(_mm256_srli_epi16(Q, 2 * j), m3);
+        __m256i hb = _mm256_and_si256(_mm256_srli_epi16(H, 4 * nn + j), one);
+        __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 2));
+        __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 128 * nn + 32 * j)));
+        int g = 8 * nn + 2 * j;
+        __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
+      }
+    }
+    const __m256i s16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc));
+    int ioff = 4 * hsum_i32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums)), s16));
+    int isum = hsum_i32(acc) - ioff;
+    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
+  }
+  return sumf;
+}
+
 // ---- exact mode -------------------------------------------------------------------------------
 float exact_f32(const void* w, const float* x, int64_t n) {
   auto* wf = static_cast<const float*>(w);
@@ -513,6 +630,10 @@ void fill_avx2_kernels(Kernels& k) {
   k.dot_fast[i(Type::Q4_0)] = dot_q4_0_q8_0;
   k.dot_fast[i(Type::Q5_0)] = dot_q5_0_q8_0;
   k.dot_fast[i(Type::Q8_0)] = dot_q8_0_q8_0;
+  k.dot_fast[i(Type::Q4_1)] = dot_q4_1_q8_1;
+  k.dot_fast[i(Type::Q5_1)] = dot_q5_1_q8_1;
+  k.dot_fast[i(Type::Q2_K)] = dot_q2_k_q8_k;
+  k.dot_fast[i(Type::Q3_K)] = dot_q3_k_q8_k;
   k.dot_fast[i(Type::Q4_K)] = dot_q4_k_q8_k;
   k.dot_fast[i(Type::Q5_K)] = dot_q5_k_q8_k;
   k.dot_fast[i(Type::Q6_K)] = dot_q6_k_q8_k;
