@@ -110,6 +110,12 @@ TEST_P(Conformance, LogitsMatchLlamaCpp) {
   std::printf("[conformance] %d near-tie rows (router margin < %.2f): min cosine %.6f, max top-64 diff %.4f:%s\n",
               ties, kRouterMarginMin, min_cos_tie, max_top_diff_tie, tie_list.c_str());
   EXPECT_GT(judged, rows_total * 3 / 4);  // near ties stay the exception
+  if (fast) {
+    // At least as close as llama.cpp itself with flash attention on against these goldens
+    // (issue 5: cosine >= 0.99987, top-64 differences <= 0.61).
+    EXPECT_GE(min_cos, 0.99987);
+    EXPECT_LE(max_top_diff, 0.61);
+  }
 }
 
 TEST_P(Conformance, GreedyMatchesGoldenTokens) {
