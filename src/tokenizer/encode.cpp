@@ -49,18 +49,15 @@ void partition(const detail::SpecialSet& set, std::string_view text, std::vector
             [](const Occ& a, const Occ& b) { return a.prio != b.prio ? a.prio < b.prio : a.pos < b.pos; });
   std::vector<uint8_t> claimed(n, 0);
   std::vector<Segment> tokens;
-  uint32_t cur_prio = UINT32_MAX;
-  size_t resume = 0;  // the search for one candidate continues after its previous match
+  // An occurrence overlapping an earlier cut (a longer candidate's, or the same candidate's to its
+  // left) is not in any remaining fragment, so it is skipped.
   for (const Occ& o : occ) {
-    if (o.prio != cur_prio) cur_prio = o.prio, resume = 0;
     const size_t len = set.by_priority[o.prio].text.size();
-    if (o.pos < resume) continue;
     if (std::find(claimed.begin() + long(o.pos), claimed.begin() + long(o.pos + len), 1) !=
         claimed.begin() + long(o.pos + len))
       continue;
     std::fill(claimed.begin() + long(o.pos), claimed.begin() + long(o.pos + len), 1);
     tokens.push_back({o.pos, o.pos + len, set.by_priority[o.prio].id});
-    resume = o.pos + len;
   }
   std::sort(tokens.begin(), tokens.end(), [](const Segment& a, const Segment& b) { return a.begin < b.begin; });
   size_t at = 0;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 
 #include "tok_fixture.hpp"
 
@@ -155,6 +156,74 @@ TEST(Special, Qwen3ThinkTokens) {
   const Ids filler = tok.encode("[PAD151700]");
   EXPECT_GT(filler.size(), 1u);
   EXPECT_EQ(tok.decode(filler), "[PAD151700]");
+}
+
+}  // namespace
+}  // namespace moe::tok
+
+namespace moe::tok {
+namespace {
+
+// The partition against a literal transcription of llama.cpp's loop (for each candidate, longest
+// first, search every remaining text fragment left to right), on random text made of overlapping
+// user-defined tokens. Raw fragments contain no candidate afterwards, so they are tokenized alone.
+TEST(Special, PartitionMatchesTheReferenceLoop) {
+  const std::vector<std::pair<int32_t, std::string>> cands = {
+      {151700, "ab"}, {151701, "bcd"}, {151702, "xx"}, {151703, "abc"}, {151704, "cda"},
+      {151705, "dab"}, {151706, "abcdab"}, {151707, "b"}};
+  auto img = testing::vocab_image();
+  auto tokens = testing::get_strings(img, "tokenizer.ggml.tokens");
+  for (const auto& [id, text] : cands) tokens[size_t(id)] = text;
+  testing::set_strings(img, "tokenizer.ggml.tokens", tokens);
+  const auto l = testing::load_image(img);
+  const Tokenizer& tok = l->tok;
+
+  // priority: longer first; equal lengths by id (llama.cpp leaves that order unspecified)
+  auto order = cands;
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.second.size() > b.second.size(); });
+  struct Frag {
+    std::string text;
+    int32_t id;  // -1: raw text
+  };
+  std::mt19937 rng(99);
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::string text;
+    const size_t len = rng() % 24;
+    for (size_t i = 0; i < len; ++i) text += "abcdx "[rng() % 6];
+    std::vector<Frag> frags = {{text, -1}};
+    for (const auto& [id, cand] : order) {
+      std::vector<Frag> next;
+      for (const Frag& f : frags) {
+        if (f.id >= 0) {
+          next.push_back(f);
+          continue;
+        }
+        size_t at = 0;
+        while (true) {
+          const size_t m = f.text.find(cand, at);
+          if (m == std::string::npos) break;
+          if (m > at) next.push_back({f.text.substr(at, m - at), -1});
+          next.push_back({cand, id});
+          at = m + cand.size();
+        }
+        if (at < f.text.size()) next.push_back({f.text.substr(at), -1});
+      }
+      frags = std::move(next);
+    }
+    Ids expected;
+    for (const Frag& f : frags) {
+      if (f.id >= 0) {
+        expected.push_back(f.id);
+      } else {
+        const Ids part = tok.encode(f.text);
+        for (int32_t id : part) ASSERT_LT(id, 151700) << "a candidate survived in '" << f.text << "'";
+        expected.insert(expected.end(), part.begin(), part.end());
+      }
+    }
+    ASSERT_EQ(tok.encode(text), expected) << "text '" << text << "'";
+    ASSERT_EQ(tok.encode(text, false), expected) << "text '" << text << "'";
+  }
 }
 
 }  // namespace
