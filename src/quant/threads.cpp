@@ -21,6 +21,10 @@ inline void cpu_relax() {
 // Decode issues well over a thousand matmuls per token; waking a sleeping thread costs tens of
 // microseconds, so workers spin for a while (~0.1-0.5 ms) before they sleep.
 constexpr int kSpinIters = 1 << 14;
+// The pool whose task this thread is running, if any: a run() from inside a task of the same pool
+// executes inline instead of corrupting the run in progress.
+thread_local const void* tls_running_pool = nullptr;
+thread_local int tls_thread = 0;  // that task's thread index, reused by the inline run
 }  // namespace
 
 // Tasks are claimed with a CAS on one word holding (generation << 32 | next task), so a worker that
@@ -48,12 +52,18 @@ struct ThreadPool::Impl {
       const int64_t t = static_cast<int64_t>(cur & 0xFFFFFFFFu);
       if (t >= total) return;
       if (!work.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      const void* outer = tls_running_pool;
+      const int outer_thread = tls_thread;
+      tls_running_pool = this;
+      tls_thread = thread;
       try {
         (*f)(t, thread);
       } catch (...) {
         std::lock_guard<std::mutex> lock(err_mu);
         if (!err) err = std::current_exception();
       }
+      tls_running_pool = outer;
+      tls_thread = outer_thread;
       done.fetch_add(1, std::memory_order_acq_rel);
       cur = work.load(std::memory_order_acquire);
     }
@@ -93,6 +103,10 @@ int ThreadPool::size() const { return impl_->n; }
 void ThreadPool::run(int64_t n_tasks, const std::function<void(int64_t task, int thread)>& fn) {
   if (n_tasks <= 0) return;
   Impl& p = *impl_;
+  if (tls_running_pool == &p) {
+    for (int64_t t = 0; t < n_tasks; ++t) fn(t, tls_thread);
+    return;
+  }
   if (p.n == 1 || n_tasks == 1) {
     for (int64_t t = 0; t < n_tasks; ++t) fn(t, 0);
     return;

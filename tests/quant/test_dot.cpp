@@ -417,3 +417,17 @@ TEST(Dot, RowDequantizersMatchDecoder) {
     }
   }
 }
+
+TEST(ThreadPool, NestedRunExecutesInline) {
+  q::ThreadPool pool(2);
+  std::atomic<int> inner{0};
+  std::atomic<int> wrong_thread{0};
+  pool.run(8, [&](int64_t, int outer) {
+    pool.run(5, [&](int64_t, int th) {
+      inner.fetch_add(1);
+      if (th != outer) wrong_thread.fetch_add(1);  // inline tasks keep the outer task's thread index
+    });
+  });
+  EXPECT_EQ(wrong_thread.load(), 0);
+  EXPECT_EQ(inner.load(), 40);
+}
