@@ -431,3 +431,36 @@ TEST(ThreadPool, NestedRunExecutesInline) {
   EXPECT_EQ(wrong_thread.load(), 0);
   EXPECT_EQ(inner.load(), 40);
 }
+
+// The fp32 block kernel of exact-mode prefill, every shape up to 4x4 and a length with a tail.
+TEST(Dot, F32BlockKernelsMatchDoubleReference) {
+  std::mt19937 rng(seed());
+  const int64_t n = 2048 + 13;
+  std::vector<std::vector<float>> w(4), x(4);
+  for (auto& v : w) v = make_x(n, rng);
+  for (auto& v : x) v = make_x(n, rng);
+  for (int isa = 0; isa <= static_cast<int>(qd::cpu_isa()); ++isa) {
+    const qd::Kernels& k = qd::kernels(static_cast<qd::Isa>(isa));
+    if (!k.f32_block) continue;
+    for (int nr = 1; nr <= 4; ++nr)
+      for (int nt = 1; nt <= 4; ++nt) {
+        const float* wp[4] = {w[0].data(), w[1].data(), w[2].data(), w[3].data()};
+        const float* xp[4] = {x[0].data(), x[1].data(), x[2].data(), x[3].data()};
+        std::vector<float> out(4 * 6, -9.f);
+        k.f32_block(wp, nr, xp, nt, n, out.data(), 6);
+        for (int t = 0; t < 4; ++t)
+          for (int r = 0; r < 6; ++r) {
+            if (t >= nt || r >= nr) {
+              EXPECT_EQ(out[t * 6 + r], -9.f);
+              continue;
+            }
+            double ref = 0, mag = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              ref += static_cast<double>(w[r][i]) * x[t][i];
+              mag += std::fabs(static_cast<double>(w[r][i]) * x[t][i]);
+            }
+            EXPECT_LE(std::fabs(out[t * 6 + r] - ref), 1e-6 * mag) << k.name << " " << nr << "x" << nt;
+          }
+      }
+  }
+}

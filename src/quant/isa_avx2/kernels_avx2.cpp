@@ -16,40 +16,12 @@
 #include <cmath>
 
 #include "../internal.hpp"
+#include "simd_avx2.hpp"
 
 namespace moe::quant::detail {
 namespace {
 
-inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
-
-inline int hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
-inline float hsum_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Eight vectors of 8 int32 partial sums -> one vector holding each one's total, in order.
-inline __m256i reduce8(const __m256i* v) {
-  __m256i s01 = _mm256_hadd_epi32(v[0], v[1]), s23 = _mm256_hadd_epi32(v[2], v[3]);
-  __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
-  __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
-                          _mm256_permute2x128_si256(s0123, s4567, 0x31));
-}
-
-// Signed bytes x·y summed in pairs then quads: |x| <= 128 and |y| <= 127 keep the 16-bit pairs exact.
-inline __m256i dot_i8(__m256i x, __m256i y) {
-  __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
+using namespace avx2;
 
 // ---- activation quantization ----------------------------------------------------------------
 inline __m256 abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
@@ -201,106 +173,6 @@ float dot_q5_0_q8_0(const void* w, const void* a, int64_t n) {
                        qq = _mm256_sub_epi8(qq, _mm256_set1_epi8(16));
                        return dot_i8(qq, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.qs)));
                      });
-}
-
-// ---- fast dot products: K-quants, one integer pair per super-block --------------------------
-float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) {
-  auto* x = static_cast<const BlockQ4_K*>(w);
-  auto* y = static_cast<const BlockQ8_K*>(a);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  float sumf = 0;
-  for (int64_t b = 0; b < n / kQKK; ++b) {
-    int sc[8], mn[8];
-    for (int s = 0; s < 8; ++s) scale_min_k4(s, x[b].scales, sc[s], mn[s]);
-    __m256i acc = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs + 32 * c));
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 64 * c)));
-      __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 64 * c + 32)));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16(static_cast<short>(sc[2 * c]))));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16(static_cast<short>(sc[2 * c + 1]))));
-    }
-    // Min term: pairs of bsums times the mins, with a 16-bit madd.
-    __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums));
-    __m256i mv = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3], mn[4], mn[4], mn[5], mn[5],
-                                   mn[6], mn[6], mn[7], mn[7]);
-    int imin = hsum_i32(_mm256_madd_epi16(bs, mv));
-    int isum = hsum_i32(acc);
-    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
-    sumf -= h2f(x[b].dmin) * y[b].d * static_cast<float>(imin);
-  }
-  return sumf;
-}
-
-float dot_q5_k_q8_k(const void* w, const void* a, int64_t n) {
-  auto* x = static_cast<const BlockQ5_K*>(w);
-  auto* y = static_cast<const BlockQ8_K*>(a);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  const __m256i sixteen = _mm256_set1_epi8(16);
-  float sumf = 0;
-  for (int64_t b = 0; b < n / kQKK; ++b) {
-    int sc[8], mn[8];
-    for (int s = 0; s < 8; ++s) scale_min_k4(s, x[b].scales, sc[s], mn[s]);
-    const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qh));
-    __m256i acc = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qs + 32 * c));
-      __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c))), b1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
-      __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b0), b0), sixteen);
-      __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hbits, b1), b1), sixteen);
-      __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
-      __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h1);
-      __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 64 * c)));
-      __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 64 * c + 32)));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p0, _mm256_set1_epi16(static_cast<short>(sc[2 * c]))));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p1, _mm256_set1_epi16(static_cast<short>(sc[2 * c + 1]))));
-    }
-    __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums));
-    __m256i mv = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3], mn[4], mn[4], mn[5], mn[5],
-                                   mn[6], mn[6], mn[7], mn[7]);
-    int imin = hsum_i32(_mm256_madd_epi16(bs, mv));
-    int isum = hsum_i32(acc);
-    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
-    sumf -= h2f(x[b].dmin) * y[b].d * static_cast<float>(imin);
-  }
-  return sumf;
-}
-
-// Q6_K: codes 0..63 times activations, minus 32·bsum per group of 16, times the signed scales.
-float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
-  auto* x = static_cast<const BlockQ6_K*>(w);
-  auto* y = static_cast<const BlockQ8_K*>(a);
-  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
-  float sumf = 0;
-  for (int64_t b = 0; b < n / kQKK; ++b) {
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
-    const __m256i s16 = _mm256_cvtepi8_epi16(s8);  // 16 scales as int16
-    __m256i acc = _mm256_setzero_si256();
-    for (int nn = 0; nn < 2; ++nn) {
-      const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].ql + 64 * nn));
-      const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].ql + 64 * nn + 32));
-      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].qh + 32 * nn));
-      __m256i q[4];
-      q[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m3));
-      q[1] = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m3));
-      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4), _mm256_and_si256(H, m3));
-      q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m3));
-      for (int k = 0; k < 4; ++k) {
-        __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].qs + 128 * nn + 32 * k)));
-        // Scales 8nn + 2k (first 16 elements) and 8nn + 2k + 1 (next 16): one per 128-bit lane.
-        int g = 8 * nn + 2 * k;
-        __m256i sv = _mm256_set_m128i(_mm_set1_epi16(x[b].scales[g + 1]), _mm_set1_epi16(x[b].scales[g]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
-      }
-    }
-    // Σ_g S_g·32·bsum_g, subtracted for the -32 offset of every code.
-    __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums));
-    int ioff = hsum_i32(_mm256_madd_epi16(bs, s16)) * 32;
-    int isum = hsum_i32(acc) - ioff;
-    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
-  }
-  return sumf;
 }
 
 // Q4_1/Q5_1 against Q8_1: codes are unsigned, the min term uses the activation's stored d·Σq.
@@ -621,6 +493,8 @@ float fast_f32(const void* w, const void* x, int64_t n) { return exact_f32(w, st
 
 }  // namespace
 
+void fill_avx2_prefill_kernels(Kernels& k);
+
 void fill_avx2_kernels(Kernels& k) {
   auto i = [](Type t) { return static_cast<size_t>(t); };
   k.name = "avx2";
@@ -634,9 +508,7 @@ void fill_avx2_kernels(Kernels& k) {
   k.dot_fast[i(Type::Q5_1)] = dot_q5_1_q8_1;
   k.dot_fast[i(Type::Q2_K)] = dot_q2_k_q8_k;
   k.dot_fast[i(Type::Q3_K)] = dot_q3_k_q8_k;
-  k.dot_fast[i(Type::Q4_K)] = dot_q4_k_q8_k;
-  k.dot_fast[i(Type::Q5_K)] = dot_q5_k_q8_k;
-  k.dot_fast[i(Type::Q6_K)] = dot_q6_k_q8_k;
+  fill_avx2_prefill_kernels(k);  // K-quant dots (single and multi-row), fp32 blocks
   k.dot_fast[i(Type::F32)] = fast_f32;  // F32 weights pair with F32 activations
   k.dot_fast[i(Type::F16)] = dot_h16<false>;
   k.dot_fast[i(Type::BF16)] = dot_h16<true>;
