@@ -208,11 +208,28 @@ INSTANTIATE_TEST_SUITE_P(AllWeights, Dot, ::testing::ValuesIn(kWeights),
 
 // matmul over the pool equals the single-row dot products, for odd row counts, a last thread chunk
 // that is partial, several tokens and padded output strides (the padding must stay untouched).
+// Runs `body` once per kernel table by capping the level through MOE_ISA.
+template <typename F>
+void for_each_isa(F body) {
+  const char* old = std::getenv("MOE_ISA");
+  const std::string saved = old ? old : "";
+  for (const char* isa : {"scalar", "avx2", "avx512"}) {
+    setenv("MOE_ISA", isa, 1);
+    qd::reload_isa_from_env();
+    SCOPED_TRACE(q::isa_name());
+    body();
+  }
+  if (old) setenv("MOE_ISA", saved.c_str(), 1);
+  else unsetenv("MOE_ISA");
+  qd::reload_isa_from_env();
+}
+
 TEST(Matmul, ThreadsAndChunksMatchRowDots) {
+  for_each_isa([] {
   const uint32_t s = seed();
   SCOPED_TRACE(::testing::Message() << "seed " << s);
   std::mt19937 rng(s);
-  for (Type t : {Type::Q4_K, Type::Q8_0, Type::Q6_K, Type::F32, Type::Q5_1}) {
+  for (Type t : {Type::Q4_K, Type::Q8_0, Type::Q6_K, Type::F32, Type::Q5_1, Type::Q5_K}) {
     for (int64_t rows : {1, 17, 37, 301}) {
       Problem p = make_problem(t, rows, 512, rng);
       const int64_t n_tok = 5, x_stride = 512 + 3, y_stride = rows + 7;
@@ -249,6 +266,7 @@ TEST(Matmul, ThreadsAndChunksMatchRowDots) {
       }
     }
   }
+  });
 }
 
 TEST(Matmul, RowRangeKernelsCoverOnlyTheirRows) {
