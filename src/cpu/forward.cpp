@@ -61,6 +61,7 @@ Plan Plan::make(const model::ModelConfig& c, int64_t n_ctx, int64_t batch, int t
   p.qx = take(3 * B * p.act_row_max);
   p.a = take(B * K * F * 4);
   p.qa = take(B * K * p.act_row_ffn);
+  p.dslots = take(static_cast<size_t>(kFewSlots) * E * 4);
   p.per_thread_base = off;
 
   size_t t = 0;
@@ -287,6 +288,7 @@ class CpuForward final : public Forward {
     s_.router = f(p.router);
     s_.sel_w = f(p.sel_w);
     s_.a = f(p.a);
+    s_.dslots = f(p.dslots);
     s_.sel_id = i32(p.sel_id);
     s_.slot_of = i32(p.slot_of);
     s_.slot_tok = i32(p.slot_tok);

@@ -128,10 +128,17 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   const size_t qa_stride = quantize_down ? quant::act_row_bytes(dt, F) : 0;
   const gguf::TypeTraits act_traits = gguf::type_traits(quant::act_type(dt));
   static_assert(kExpertRowChunk % 256 == 0);
-  const int64_t f_chunks = (F + kExpertRowChunk - 1) / kExpertRowChunk;
+  // Whole experts per task when there are enough of them for every thread (decode: one long run
+  // per matrix), else chunks of kExpertRowChunk rows; either fits the thread's g/u buffers.
+  int64_t max_count = 0;
+  for (int64_t a = 0; a < n_active; ++a) max_count = std::max<int64_t>(max_count, count[s.exp_active[a]]);
+  const int64_t threads = s.pool->size();
+  const int64_t gu_chunk =
+      (n_active >= 4 * threads && F * max_count <= s.plan.batch * kExpertRowChunk) ? F : kExpertRowChunk;
+  const int64_t f_chunks = (F + gu_chunk - 1) / gu_chunk;
   s.parallel(n_active * f_chunks, [&](int64_t task, int thread) {
     const int32_t e = s.exp_active[task / f_chunks];
-    const int64_t r0 = (task % f_chunks) * kExpertRowChunk, r1 = std::min(F, r0 + kExpertRowChunk);
+    const int64_t r0 = (task % f_chunks) * gu_chunk, r1 = std::min(F, r0 + gu_chunk);
     const int64_t n_tok = off[e + 1] - off[e];
     const int32_t* toks = s.slot_tok + off[e];
     uint8_t* tb = s.thread_block(thread);
@@ -139,12 +146,12 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
     float* u = reinterpret_cast<float*>(tb + s.plan.t_up);
     const uint8_t* ag = gather(in_gate, toks, n_tok, tb + s.plan.t_gather);
     const uint8_t* au = same_input ? ag : gather(in_up, toks, n_tok, tb + s.plan.t_gather2);
-    expert_rows(L.ffn_gate_exps.expert(e), r0, r1, in_gate, ag, n_tok, g - r0, kExpertRowChunk);
-    expert_rows(L.ffn_up_exps.expert(e), r0, r1, in_up, au, n_tok, u - r0, kExpertRowChunk);
+    expert_rows(L.ffn_gate_exps.expert(e), r0, r1, in_gate, ag, n_tok, g - r0, gu_chunk);
+    expert_rows(L.ffn_up_exps.expert(e), r0, r1, in_up, au, n_tok, u - r0, gu_chunk);
     for (int64_t j = 0; j < n_tok; ++j) {
       const size_t slot = static_cast<size_t>(off[e] + j);
-      float* gr = g + j * kExpertRowChunk;
-      const float* ur = u + j * kExpertRowChunk;
+      float* gr = g + j * gu_chunk;
+      const float* ur = u + j * gu_chunk;
       if (quantize_down) {
         swiglu(gr, ur, gr, r1 - r0);
         quant::quantize_act(dt, gr, s.qa + slot * qa_stride + static_cast<size_t>(r0 / act_traits.block_elems) * act_traits.block_bytes,
@@ -160,6 +167,42 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   const ExpertInput in_down = quantize_down ? ExpertInput{s.qa, qa_stride, false}
                                             : ExpertInput{reinterpret_cast<const uint8_t*>(s.a), static_cast<size_t>(F) * sizeof(float), true};
   const int64_t n_slots = n * K;
+
+  if (n_slots <= kFewSlots) {
+    // Few slots: tasks are (expert, row piece of n_embd) into dslots[slot][E], then the rank-order
+    // combine per token with the residual.
+    const int64_t pieces = std::max<int64_t>(1, (4 * threads + n_active - 1) / n_active);
+    const int64_t piece = ((E + pieces - 1) / pieces + 15) / 16 * 16;
+    const int64_t n_pieces = (E + piece - 1) / piece;
+    s.parallel(n_active * n_pieces, [&](int64_t task, int) {
+      const int32_t e = s.exp_active[task / n_pieces];
+      const int64_t r0 = (task % n_pieces) * piece, r1 = std::min(E, r0 + piece);
+      const uint8_t* act = in_down.rows + static_cast<size_t>(off[e]) * in_down.stride;
+      expert_rows(L.ffn_down_exps.expert(e), r0, r1, in_down, act, off[e + 1] - off[e],
+                  s.dslots + static_cast<size_t>(off[e]) * E, E);
+    });
+    const auto combine = [&](int64_t t, int) {
+      float* yr = y + t * E;
+      for (int64_t j = 0; j < K; ++j) {
+        const float w = s.sel_w[t * K + j];
+        const float* dr = s.dslots + static_cast<size_t>(s.slot_of[t * K + j]) * E;
+        if (j == 0) {
+          for (int64_t r = 0; r < E; ++r) yr[r] = dr[r] * w;
+        } else {
+          for (int64_t r = 0; r < E; ++r) yr[r] += dr[r] * w;
+        }
+      }
+      float* xr = x + t * E;
+      for (int64_t r = 0; r < E; ++r) xr[r] += yr[r];
+    };
+    if (n <= 2) {
+      for (int64_t t = 0; t < n; ++t) combine(t, 0);
+    } else {
+      s.parallel(n, combine);
+    }
+    lap(s, kDown, tp);
+    return;
+  }
 
   // down + weighted sum: tasks are row chunks of n_embd, each runs every active expert on its rows
   // and then combines per token in rank order (y = w0*d0 + w1*d1 + ..., as llama.cpp adds them).

@@ -18,6 +18,10 @@ namespace moe::cpu {
 inline constexpr int64_t kExpertRowChunk = 256;  // gate/up rows (of expert_ffn) per task
 inline constexpr int64_t kDownRowChunkMax = 256;  // down rows (of n_embd) per task, at most
 inline constexpr int64_t kDownScratchRows = 64;   // down scratch: batch * n_used * this many floats
+// Up to this many (token, expert) slots (decode, short evals) the down projection runs expert by
+// expert over whole rows into a shared [slot][n_embd] buffer, then combines: each task streams one
+// long run of one expert's rows instead of short runs of every expert.
+inline constexpr int64_t kFewSlots = 128;
 
 // Buffer sizes of one forward: the single source for memory_bytes() and the allocation.
 struct Plan {
@@ -28,7 +32,7 @@ struct Plan {
   size_t gather_row = 0;   // bytes of one gathered expert input row (fast or exact)
   // offsets into the arena
   size_t x, h, q, k, v, rope, router, sel_id, sel_w, slot_of, slot_tok, exp_count, exp_off,
-      exp_active, qx, a, qa;
+      exp_active, qx, a, qa, dslots;
   size_t per_thread_base, per_thread;  // per-thread block: gather, gate, up, down, scores, head
   size_t t_gather, t_gather2, t_gate, t_up, t_down, t_scores, t_head;
   size_t arena = 0;
@@ -70,7 +74,7 @@ struct State {
   // shared scratch; y (the Wo and MoE outputs) shares h's memory: h is dead by the time either
   // is written (Q/K/V are projected, the experts' inputs gathered)
   float *x = nullptr, *h = nullptr, *y = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *rope_cs = nullptr,
-        *router = nullptr, *sel_w = nullptr, *a = nullptr;
+        *router = nullptr, *sel_w = nullptr, *a = nullptr, *dslots = nullptr;
   int32_t *sel_id = nullptr, *slot_of = nullptr, *slot_tok = nullptr, *exp_count = nullptr, *exp_off = nullptr,
           *exp_active = nullptr;
   uint8_t *qx = nullptr, *qa = nullptr;

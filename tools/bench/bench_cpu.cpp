@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -151,6 +152,21 @@ void BM_Decode(benchmark::State& st) {
   st.counters["weights GB/s"] = g.decode_tps * decode_bytes(*g.model) / 1e9;
 }
 
+// One token through the LM head alone (quant::matmul on the pool): the weight stream of the
+// largest decode matrix, to tell kernel speed from bandwidth.
+void BM_HeadGemv(benchmark::State& st) {
+  const moe::quant::Matrix w = g.model->output.matrix();
+  std::vector<float> x(static_cast<size_t>(w.cols)), y(static_cast<size_t>(w.rows));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i));
+  double best = 0;
+  for (auto _ : st) {
+    const double t0 = now_s();
+    moe::quant::matmul(w, x.data(), w.cols, 1, y.data(), w.rows, g.mode, *g.pool);
+    best = std::max(best, static_cast<double>(g.model->output.matrix_bytes) / (now_s() - t0) / 1e9);
+  }
+  st.counters["GB/s"] = best;
+}
+
 // llama-bench's average tok/s for (n_prompt, n_gen) from its JSON output; 0 when absent.
 double llama_ts(const std::string& json, int n_prompt, int n_gen) {
   size_t at = 0;
@@ -221,6 +237,7 @@ int main(int argc, char** argv) {
               g.mode == moe::quant::ActMode::fast ? "fast (Q8)" : "exact (FP32)", moe::quant::isa_name());
 
   benchmark::RegisterBenchmark("read_bandwidth", BM_ReadBandwidth)->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("lm_head_gemv", BM_HeadGemv)->Iterations(10)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("prefill_512", BM_Prefill512)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("decode_128", BM_Decode)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
   try {
