@@ -56,6 +56,8 @@ __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const
 }
 
 constexpr int kAttnWarps = 4;
+constexpr int kMaxSplit = 64;
+constexpr int kMinChunk = 64;
 
 template <int D>
 __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
@@ -97,74 +99,82 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   const int kv_dim = n_head_kv * HD;
   const int pos = pos0[0] + t;
   const int len = pos + 1;
-  const int chunk = (len + n_split - 1) / n_split;
-  const int c0 = split * chunk;
-  const int c1 = min(len, c0 + chunk);
-  const float scale = rsqrtf(static_cast<float>(HD));
-  const float* qrow = qkv + static_cast<int64_t>(t) * qkv_stride + g * G * HD;
-  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) qs[i / HD][i % HD] = qrow[i] * scale;
-  __syncthreads();
+  // Slices of at least kMinChunk positions: short contexts use fewer slices (often one, which then
+  // writes the output itself) and the merge reads only the slices that ran.
+  int chunk = (len + n_split - 1) / n_split;
+  if (n_split > 1 && chunk < kMinChunk) chunk = kMinChunk;
+  const int n_eff = (len + chunk - 1) / chunk;
+  const int64_t out_row = static_cast<int64_t>(t) * n_head * HD + g * G * HD;
+  float* part_base = partials + (static_cast<int64_t>(t) * n_head_kv + g) * n_split * G * PS;
+  if (split < n_eff) {
+    const int c0 = split * chunk;
+    const int c1 = min(len, c0 + chunk);
+    const float scale = rsqrtf(static_cast<float>(HD));
+    const float* qrow = qkv + static_cast<int64_t>(t) * qkv_stride + g * G * HD;
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) qs[i / HD][i % HD] = qrow[i] * scale;
+    __syncthreads();
 
-  float m[G], l[G], acc[G][D], q[G][D];
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0.f;
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      acc[h][d] = 0.f;
-      q[h][d] = qs[h][lane * D + d];
-    }
-  }
-  for (int p = c0 + warp; p < c1; p += kAttnWarps) {
-    float kf[D], vf[D];
-    load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kf);
-    load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vf);
+    float m[G], l[G], acc[G][D], q[G][D];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-      float s = 0.f;
+      m[h] = -INFINITY;
+      l[h] = 0.f;
 #pragma unroll
-      for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
-      s = warp_sum(s);
-      const float mn = fmaxf(m[h], s);
-      const float corr = expf(m[h] - mn);  // 0 on the first position (m = -inf)
-      const float pw = expf(s - mn);
-      l[h] = l[h] * corr + pw;
-#pragma unroll
-      for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
-      m[h] = mn;
+      for (int d = 0; d < D; ++d) {
+        acc[h][d] = 0.f;
+        q[h][d] = qs[h][lane * D + d];
+      }
     }
-  }
+    for (int p = c0 + warp; p < c1; p += kAttnWarps) {
+      float kf[D], vf[D];
+      load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kf);
+      load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vf);
 #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    if (lane == 0) {
-      wm[warp][h] = m[h];
-      wl[warp][h] = l[h];
+      for (int h = 0; h < G; ++h) {
+        float s = 0.f;
+#pragma unroll
+        for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
+        s = warp_sum(s);
+        const float mn = fmaxf(m[h], s);
+        const float corr = expf(m[h] - mn);  // 0 on the first position (m = -inf)
+        const float pw = expf(s - mn);
+        l[h] = l[h] * corr + pw;
+#pragma unroll
+        for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
+        m[h] = mn;
+      }
     }
 #pragma unroll
-    for (int d = 0; d < D; ++d) wacc[warp][h][lane * D + d] = acc[h][d];
-  }
-  __syncthreads();
-  // merge the warps: thread handles (head, dim) pairs
-  float* part = partials + ((static_cast<int64_t>(t) * n_head_kv + g) * n_split + split) * G * PS;
-  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-    const int h = i / HD, d = i % HD;
-    float M = -INFINITY;
-    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, wm[w][h]);
-    float L = 0.f, A = 0.f;
-    for (int w = 0; w < kAttnWarps; ++w) {
-      if (wm[w][h] == -INFINITY) continue;
-      const float f = expf(wm[w][h] - M);
-      L += wl[w][h] * f;
-      A += wacc[w][h][d] * f;
+    for (int h = 0; h < G; ++h) {
+      if (lane == 0) {
+        wm[warp][h] = m[h];
+        wl[warp][h] = l[h];
+      }
+#pragma unroll
+      for (int d = 0; d < D; ++d) wacc[warp][h][lane * D + d] = acc[h][d];
     }
-    if (n_split == 1) {
-      out[static_cast<int64_t>(t) * n_head * HD + (g * G + h) * HD + d] = A / L;
-    } else {
-      part[h * PS + d] = A;
-      if (d == 0) {
-        part[h * PS + HD] = M;
-        part[h * PS + HD + 1] = L;
+    __syncthreads();
+    // merge the warps: thread handles (head, dim) pairs
+    float* part = part_base + split * G * PS;
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+      const int h = i / HD, d = i % HD;
+      float M = -INFINITY;
+      for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, wm[w][h]);
+      float L = 0.f, A = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) {
+        if (wm[w][h] == -INFINITY) continue;
+        const float f = expf(wm[w][h] - M);
+        L += wl[w][h] * f;
+        A += wacc[w][h][d] * f;
+      }
+      if (n_eff == 1) {
+        out[out_row + i] = A / L;
+      } else {
+        part[h * PS + d] = A;
+        if (d == 0) {
+          part[h * PS + HD] = M;
+          part[h * PS + HD + 1] = L;
+        }
       }
     }
   }
@@ -175,24 +185,46 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   if (threadIdx.x == 0) last = atomicAdd(counter, 1) == n_split - 1;
   __syncthreads();
   if (!last) return;
+  if (threadIdx.x == 0) *counter = 0;
+  if (n_eff == 1) return;
   __threadfence();
-  const float* base = partials + (static_cast<int64_t>(t) * n_head_kv + g) * n_split * G * PS;
+  // weight of slice s for head h: exp(m_s - M) / L, computed once per (slice, head)
+  __shared__ float fw[kMaxSplit][G];
+  __shared__ float fM[G];
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i / G][i % G] = __ldcg(part_base + i * PS + HD);
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int h = threadIdx.x;
+    float M = -INFINITY;
+    for (int sp = 0; sp < n_eff; ++sp) M = fmaxf(M, fw[sp][h]);
+    fM[h] = M;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
+    const int sp = i / G, h = i % G;
+    fw[sp][h] = __ldcg(part_base + i * PS + HD + 1) * expf(fw[sp][h] - fM[h]);  // l_s * exp(m_s - M)
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int h = threadIdx.x;
+    float L = 0.f;
+    for (int sp = 0; sp < n_eff; ++sp) L += fw[sp][h];
+    fM[h] = 1.f / L;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
+    const int sp = i / G, h = i % G;
+    const float lsp = __ldcg(part_base + i * PS + HD + 1);
+    fw[sp][h] = lsp > 0.f ? fw[sp][h] / lsp * fM[h] : 0.f;  // exp(m_s - M) / L
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int h = i / HD, d = i % HD;
-    float M = -INFINITY;
-    for (int sp = 0; sp < n_split; ++sp) M = fmaxf(M, __ldcg(base + (sp * G + h) * PS + HD));
-    float L = 0.f, A = 0.f;
-    for (int sp = 0; sp < n_split; ++sp) {
-      const float* pp = base + (sp * G + h) * PS;
-      const float ms = __ldcg(pp + HD);
-      if (ms == -INFINITY) continue;
-      const float f = expf(ms - M);
-      L += __ldcg(pp + HD + 1) * f;
-      A += __ldcg(pp + d) * f;
-    }
-    out[static_cast<int64_t>(t) * n_head * HD + (g * G + h) * HD + d] = A / L;
+    float A = 0.f;
+#pragma unroll 4
+    for (int sp = 0; sp < n_eff; ++sp) A = fmaf(__ldcg(part_base + (sp * G + h) * PS + d), fw[sp][h], A);
+    out[out_row + i] = A;
   }
-  if (threadIdx.x == 0) *counter = 0;
 }
 
 template <int D, int G>
@@ -240,7 +272,8 @@ cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const flo
 cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* k_cache,
                       const void* v_cache, int n_head, int n_head_kv, int head_dim, int n_split, float* partials,
                       int* counters, float* out, cudaStream_t s) {
-  if (!attention_supported(n_head, n_head_kv, head_dim)) return cudaErrorInvalidValue;
+  if (!attention_supported(n_head, n_head_kv, head_dim) || n_split < 1 || n_split > kMaxSplit)
+    return cudaErrorInvalidValue;
   const int G = n_head / n_head_kv;
   if (head_dim == 64)
     return attention_g<2>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, n_split, partials, counters, out, s);

@@ -28,15 +28,35 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
   load_act(a.x, a.cols, a.norm_w, a.eps, xs, red);
   const int lane = threadIdx.x & 31;
   const int n_groups = a.cols >> 5;
-  for (int r = blockIdx.x * kWarps + (threadIdx.x >> 5); r < a.rows_total; r += gridDim.x * kWarps) {
-    int m = 0, rr = r;
-    while (m + 1 < a.n_outs && rr >= a.outs[m].W.rows) rr -= a.outs[m++].W.rows;
-    const Mat& W = a.outs[m].W;
-    float acc = lane_dot(W.type, W.data + rr * W.row_stride, n_groups, smem4, lane);
-    acc = warp_sum(acc);
+  // each warp takes two consecutive rows (of the concatenated matrices) per step
+  for (int r = 2 * (blockIdx.x * kWarps + (threadIdx.x >> 5)); r < a.rows_total; r += 2 * gridDim.x * kWarps) {
+    int m0 = 0, rr0 = r;
+    while (m0 + 1 < a.n_outs && rr0 >= a.outs[m0].W.rows) rr0 -= a.outs[m0++].W.rows;
+    int m1 = m0, rr1 = rr0 + 1;
+    const bool two = r + 1 < a.rows_total;
+    if (two && rr1 >= a.outs[m1].W.rows) {
+      rr1 -= a.outs[m1].W.rows;
+      ++m1;
+    }
+    const Mat& W0 = a.outs[m0].W;
+    const Mat& W1 = a.outs[two ? m1 : m0].W;
+    float acc0, acc1;
+    if (two) {
+      lane_dot2(W0.type, W0.data + rr0 * W0.row_stride, W1.type, W1.data + rr1 * W1.row_stride, n_groups, smem4, lane,
+                acc0, acc1);
+    } else {
+      acc0 = lane_dot(W0.type, W0.data + rr0 * W0.row_stride, n_groups, smem4, lane);
+      acc1 = 0.f;
+    }
+    acc0 = warp_sum(acc0);
+    acc1 = warp_sum(acc1);
     if (lane == 0) {
-      float* y = a.outs[m].y + rr;
-      *y = a.accumulate ? *y + acc : acc;
+      float* y0 = a.outs[m0].y + rr0;
+      *y0 = a.accumulate ? *y0 + acc0 : acc0;
+      if (two) {
+        float* y1 = a.outs[m1].y + rr1;
+        *y1 = a.accumulate ? *y1 + acc1 : acc1;
+      }
     }
   }
 }
@@ -85,8 +105,11 @@ __global__ void __launch_bounds__(kThreads) expert_gate_up_kernel(Mat G, Mat U, 
   const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (r >= G.rows) return;
   const int n_groups = G.cols >> 5;
-  float g = warp_sum(lane_dot(G.type, G.data + e * G.expert_stride + r * G.row_stride, n_groups, smem4, lane));
-  float u = warp_sum(lane_dot(U.type, U.data + e * U.expert_stride + r * U.row_stride, n_groups, smem4, lane));
+  float g, u;
+  lane_dot2(G.type, G.data + e * G.expert_stride + r * G.row_stride, U.type,
+            U.data + e * U.expert_stride + r * U.row_stride, n_groups, smem4, lane, g, u);
+  g = warp_sum(g);
+  u = warp_sum(u);
   if (lane == 0) act[j * G.rows + r] = silu(g) * u;
 }
 
@@ -95,6 +118,7 @@ __device__ __forceinline__ void down_lane_t(const Mat& D, const int32_t* ids, co
                                             const float4* xs, int lane, float& acc) {
   const int gpr = D.cols >> 5;  // groups per expert row
   const int total = gpr * n_used;
+#pragma unroll 3
   for (int t = lane; t < total; t += 32) {
     const int j = t / gpr, g = t - j * gpr;
     const uint8_t* row = D.data + ids[j] * D.expert_stride + r * D.row_stride;
@@ -176,7 +200,7 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
   a.eps = eps;
   a.cols = outs[0].W.cols;
   a.accumulate = accumulate ? 1 : 0;
-  const int blocks_needed = (a.rows_total + kWarps - 1) / kWarps;
+  const int blocks_needed = (a.rows_total + 2 * kWarps - 1) / (2 * kWarps);
   const int grid = blocks_needed < sm_count() * 8 ? blocks_needed : sm_count() * 8;
   gemv_kernel<<<grid, kThreads, a.cols * sizeof(float), s>>>(a);
   return cudaGetLastError();

@@ -78,8 +78,9 @@ cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* po
                       int* counters, float* out, cudaStream_t s);
 bool attention_supported(int n_head, int n_head_kv, int head_dim);
 
-// out[0] = argmax of x[0..n) (lowest index on ties).
-cudaError_t argmax(const float* x, int n, int32_t* out, cudaStream_t s);
+// out[0] = argmax of x[0..n) (lowest index on ties); scratch holds kArgmaxScratch floats.
+constexpr int kArgmaxScratch = 256;
+cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s);
 
 // ---- prefill ----------------------------------------------------------------------------------------
 // Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled, weights dequantized in shared memory, fp32 math).

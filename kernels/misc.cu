@@ -37,21 +37,20 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, int cols, int str
   for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * scale * w[i];
 }
 
-__global__ void argmax_kernel(const float* x, int n, int32_t* out) {
+__device__ __forceinline__ void argmax_merge(float& best, int& idx, float ov, int oi) {
+  if (ov > best || (ov == best && oi < idx)) {
+    best = ov;
+    idx = oi;
+  }
+}
+
+// Block-wide argmax of (best, idx) pairs; thread 0 gets the result.
+__device__ __forceinline__ void block_argmax(float& best, int& idx) {
   __shared__ float bv[32];
   __shared__ int bi[32];
-  float best = -INFINITY;
-  int idx = 0x7fffffff;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = x[i];
-    if (v > best || (v == best && i < idx)) { best = v; idx = i; }
-  }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-  }
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_merge(best, idx, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, idx, o));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
   __syncthreads();
@@ -60,13 +59,30 @@ __global__ void argmax_kernel(const float* x, int n, int32_t* out) {
     best = lane < nw ? bv[lane] : -INFINITY;
     idx = lane < nw ? bi[lane] : 0x7fffffff;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-      if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-    }
-    if (lane == 0) out[0] = idx == 0x7fffffff ? 0 : idx;
+    for (int o = 16; o > 0; o >>= 1)
+      argmax_merge(best, idx, __shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, idx, o));
   }
+}
+
+constexpr int kArgmaxBlocks = 128;
+
+// Stage 1: each block reduces a contiguous slice; stage 2: one block reduces the partials.
+__global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi) {
+  const int per = (n + gridDim.x - 1) / gridDim.x;
+  const int lo = blockIdx.x * per, hi = min(n, lo + per);
+  float best = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(best, idx, x[i], i);
+  block_argmax(best, idx);
+  if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = idx; }
+}
+
+__global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int32_t* out) {
+  float best = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) argmax_merge(best, idx, pv[i], pi[i]);
+  block_argmax(best, idx);
+  if (threadIdx.x == 0) out[0] = idx == 0x7fffffff ? 0 : idx;
 }
 
 // One warp per token.
@@ -143,8 +159,13 @@ cudaError_t rmsnorm_rows(const float* x, const float* w, int n, int cols, int st
   return cudaGetLastError();
 }
 
-cudaError_t argmax(const float* x, int n, int32_t* out, cudaStream_t s) {
-  argmax_kernel<<<1, 1024, 0, s>>>(x, n, out);
+cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s) {
+  float* pv = scratch;
+  int* pi = reinterpret_cast<int*>(scratch + kArgmaxBlocks);
+  argmax_partial_kernel<<<kArgmaxBlocks, 256, 0, s>>>(x, n, pv, pi);
+  cudaError_t e = cudaGetLastError();
+  if (e) return e;
+  argmax_final_kernel<<<1, kArgmaxBlocks, 0, s>>>(pv, pi, kArgmaxBlocks, out);
   return cudaGetLastError();
 }
 

@@ -251,6 +251,7 @@ class CudaForward final : public Forward {
         X * f,                                                // route scratch
         64,                                                   // route counter, token, pos, prefill pos, argmax
         B * 4,                                                // prefill ids
+        k::kArgmaxScratch * f,                                // argmax partials
     };
   }
   uint64_t scratch_bytes() const {
@@ -389,6 +390,7 @@ class CudaForward final : public Forward {
     prefill_pos_ = small + 3;
     argmax_.ptr = small + 4;
     prefill_ids_ = reinterpret_cast<int32_t*>(p[18]);
+    argmax_scratch_ = reinterpret_cast<float*>(p[19]);
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
     check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");
   }
@@ -447,7 +449,8 @@ class CudaForward final : public Forward {
     }
     k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
     check(k::gemv(&head, 1, x_, out_norm_, eps, false, stream_), step);
-    if (greedy) check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_.ptr, stream_), step);
+    if (greedy)
+      check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_scratch_, argmax_.ptr, stream_), step);
     (void)E;
   }
 
@@ -567,7 +570,7 @@ class CudaForward final : public Forward {
   float *x_ = nullptr, *h_ = nullptr, *qkv_ = nullptr, *o_ = nullptr, *router_logits_ = nullptr, *wts_ = nullptr;
   int32_t *ids_ = nullptr, *token_of_slot_ = nullptr, *slot_of_ = nullptr, *prefill_ids_ = nullptr;
   int *count_ = nullptr, *offset_ = nullptr, *counters_ = nullptr, *route_counter_ = nullptr;
-  float *act_ = nullptr, *expert_out_ = nullptr, *partials_ = nullptr, *route_scratch_ = nullptr;
+  float *act_ = nullptr, *expert_out_ = nullptr, *argmax_scratch_ = nullptr, *partials_ = nullptr, *route_scratch_ = nullptr;
   int32_t *token_ = nullptr, *pos_ = nullptr, *prefill_pos_ = nullptr;
   struct {
     void* ptr = nullptr;

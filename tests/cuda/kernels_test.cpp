@@ -131,7 +131,8 @@ TEST(CudaKernels, RmsnormRowsAndArgmax) {
   v[best + 1000] = 100.f;  // tie: the lower index wins
   Dev<float> dv(v);
   Dev<int32_t> di(1);
-  ok(k::argmax(dv.p, static_cast<int>(v.size()), di.p, nullptr));
+  Dev<float> scratch(k::kArgmaxScratch);
+  ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr));
   ok(cudaDeviceSynchronize());
   EXPECT_EQ(di.get()[0], best);
 }

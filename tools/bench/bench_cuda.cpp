@@ -189,6 +189,79 @@ void BM_ExpertDownQ6K(benchmark::State& st) {
 }
 BENCHMARK(BM_ExpertDownQ6K)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+void BM_GemvOutProjQ4K(benchmark::State& st) {
+  DevMatrix W(Type::Q4_K, 2048, 4096);
+  float* x = dev_floats(4096);
+  float* y = dev_floats(2048);
+  k::GemvOut o{W.m, y};
+  time_kernel(st, static_cast<double>(W.m.row_stride) * W.m.rows,
+              [&] { return k::gemv(&o, 1, x, nullptr, 0.f, true, nullptr); });
+  cudaFree(x);
+  cudaFree(y);
+}
+BENCHMARK(BM_GemvOutProjQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_RouteF32(benchmark::State& st) {
+  DevMatrix R(Type::F32, 128, 2048);
+  float* x = dev_floats(2048);
+  float* w = dev_floats(2048);
+  float* h = dev_floats(2048);
+  float* scratch = dev_floats(128);
+  float* wt = dev_floats(8);
+  int32_t* ids = nullptr;
+  int* counter = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&ids), 64));
+  ck(cudaMalloc(reinterpret_cast<void**>(&counter), 4));
+  ck(cudaMemset(counter, 0, 4));
+  time_kernel(st, 128.0 * 2048 * 4,
+              [&] { return k::route_token(x, w, 1e-6f, R.m, 8, h, scratch, counter, ids, wt, nullptr); });
+  for (float* p : {x, w, h, scratch, wt}) cudaFree(p);
+  cudaFree(ids);
+  cudaFree(counter);
+}
+BENCHMARK(BM_RouteF32)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// Decode attention (32 query heads, 4 KV heads of 128) over a cache of depth range(0).
+void BM_AttentionDecode(benchmark::State& st) {
+  const int depth = static_cast<int>(st.range(0)), Hq = 32, Hkv = 4, hd = 128, splits = 64;
+  const int stride = (Hq + 2 * Hkv) * hd;
+  void *kc = nullptr, *vc = nullptr;
+  const size_t cache = static_cast<size_t>(depth + 1) * Hkv * hd * 2;
+  ck(cudaMalloc(&kc, cache));
+  ck(cudaMalloc(&vc, cache));
+  ck(cudaMemset(kc, 0x3c, cache));  // fp16 ~1.0x
+  ck(cudaMemset(vc, 0x3a, cache));
+  float* qkv = dev_floats(stride);
+  float* out = dev_floats(Hq * hd);
+  float* part = dev_floats(static_cast<size_t>(Hkv) * splits * 8 * (hd + 2));
+  int *counters = nullptr, *pos = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&counters), Hkv * 4));
+  ck(cudaMemset(counters, 0, Hkv * 4));
+  ck(cudaMalloc(reinterpret_cast<void**>(&pos), 4));
+  ck(cudaMemcpy(pos, &depth, 4, cudaMemcpyHostToDevice));
+  time_kernel(st, 2.0 * cache, [&] {
+    return k::attention(qkv, stride, 1, pos, kc, vc, Hq, Hkv, hd, splits, part, counters, out, nullptr);
+  });
+  for (float* p : {qkv, out, part}) cudaFree(p);
+  cudaFree(kc);
+  cudaFree(vc);
+  cudaFree(counters);
+  cudaFree(pos);
+}
+BENCHMARK(BM_AttentionDecode)->Arg(1)->Arg(4096)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ArgmaxVocab(benchmark::State& st) {
+  float* x = dev_floats(151936);
+  float* scratch = dev_floats(k::kArgmaxScratch);
+  int32_t* out = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&out), 4));
+  time_kernel(st, 151936.0 * 4, [&] { return k::argmax(x, 151936, scratch, out, nullptr); });
+  cudaFree(x);
+  cudaFree(scratch);
+  cudaFree(out);
+}
+BENCHMARK(BM_ArgmaxVocab)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 // ---- the whole forward ---------------------------------------------------------------------------------
 struct Loaded {
   std::shared_ptr<const moe::model::OwnedQuantizedModel> model;
