@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
 
 #include "internal.hpp"
 
@@ -69,72 +68,60 @@ void partition(const detail::SpecialSet& set, std::string_view text, std::vector
   if (at < n) out.push_back({at, n, -1});
 }
 
-// Word -> ids cache for one encode call: open addressing over a flat array; keys point into the
-// text being encoded (or its sanitized copy), values into one shared id buffer.
+// Word -> ids cache for one encode call: open addressing over 16-byte slots; the words are copied
+// into one arena and their ids into one buffer, so a lookup touches little memory. It starts small
+// and doubles, so its size follows the number of distinct words, not the length of the text.
 class WordCache {
  public:
-  struct Slot {
-    const char* key = nullptr;
-    uint32_t len = 0;
-    uint32_t hash = 0;
-    uint32_t ids_off = 0;
-    uint32_t ids_len = 0;
-  };
-  explicit WordCache(size_t expected) {
-    size_t cap = 64;
-    while (cap < expected * 2) cap <<= 1;
-    slots_.resize(cap);
-    mask_ = cap - 1;
-  }
-  // The slot holding `w`, or the empty slot where it belongs (key == nullptr).
-  Slot& find(std::string_view w) {
-    const uint32_t h = hash(w);
-    size_t i = h & mask_;
-    while (true) {
-      Slot& s = slots_[i];
-      if (!s.key || (s.hash == h && s.len == w.size() && std::memcmp(s.key, w.data(), w.size()) == 0)) {
-        if (!s.key) s.hash = h;
-        return s;
+  static constexpr size_t kMaxLen = 0xFFFF;  // longer words (or more ids) are not cached
+  WordCache() { grow(); }
+  // Appends the cached ids of `w` to `out`; false when `w` is not cached.
+  bool get(std::string_view w, uint32_t h, std::vector<int32_t>& out) const {
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.len == 0) return false;
+      if (s.hash == h && s.len == w.size() && std::memcmp(arena_.data() + s.key_off, w.data(), w.size()) == 0) {
+        out.insert(out.end(), ids_.begin() + s.ids_off, ids_.begin() + s.ids_off + s.ids_len);
+        return true;
       }
-      i = (i + 1) & mask_;
     }
   }
-  void filled() {
-    if (++used_ * 2 > slots_.size()) grow();
+  void put(std::string_view w, uint32_t h, const int32_t* ids, size_t n) {
+    if (w.empty() || w.size() > kMaxLen || n > kMaxLen) return;
+    if ((used_ + 1) * 2 > slots_.size()) grow();
+    size_t i = h & mask_;
+    while (slots_[i].len != 0) i = (i + 1) & mask_;
+    slots_[i] = {h, uint32_t(ids_.size()), uint32_t(arena_.size()), uint16_t(w.size()), uint16_t(n)};
+    arena_.append(w);
+    ids_.insert(ids_.end(), ids, ids + n);
+    ++used_;
   }
+  bool full() const { return arena_.size() > UINT32_MAX - 2 * kMaxLen || ids_.size() > UINT32_MAX - 2 * kMaxLen; }
 
  private:
-  static uint32_t hash(std::string_view w) {
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ w.size();
-    const char* p = w.data();
-    size_t n = w.size();
-    while (n >= 8) {
-      uint64_t v;
-      std::memcpy(&v, p, 8);
-      h = (h ^ v) * 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 31;
-      p += 8, n -= 8;
-    }
-    uint64_t v = 0;
-    std::memcpy(&v, p, n);
-    h = (h ^ v) * 0x94D049BB133111EBull;
-    h ^= h >> 29;
-    return uint32_t(h ^ (h >> 32));
-  }
+  struct Slot {
+    uint32_t hash = 0;
+    uint32_t ids_off = 0;
+    uint32_t key_off = 0;
+    uint16_t len = 0;  // 0: empty slot
+    uint16_t ids_len = 0;
+  };
   void grow() {
-    std::vector<Slot> old(slots_.size() * 2);
+    std::vector<Slot> old(slots_.empty() ? 256 : slots_.size() * 2);
     old.swap(slots_);
     mask_ = slots_.size() - 1;
     for (const Slot& s : old) {
-      if (!s.key) continue;
+      if (s.len == 0) continue;
       size_t i = s.hash & mask_;
-      while (slots_[i].key) i = (i + 1) & mask_;
+      while (slots_[i].len != 0) i = (i + 1) & mask_;
       slots_[i] = s;
     }
   }
   std::vector<Slot> slots_;
   size_t mask_ = 0;
   size_t used_ = 0;
+  std::string arena_;
+  std::vector<int32_t> ids_;
 };
 
 // Per-call state: scratch buffers and the word -> ids cache (words repeat a lot in real text).
@@ -148,24 +135,22 @@ struct Session {
   std::vector<Sym> syms;
   struct Cand {
     uint64_t key;  // rank << 32 | left: the lowest rank first, then the leftmost
-    int32_t right, lid, rid, result;
+    int32_t right, lid, rid;
   };
   std::vector<Cand> heap;
   WordCache cache;
-  std::vector<int32_t> cache_ids;
-  std::deque<std::string> owned;  // sanitized fragments the cache keys point into (never move)
+  std::string owned;  // a sanitized copy of the current fragment
 
-  Session(const Tokenizer::Impl& impl, size_t text_bytes)
-      : t(impl), cache(std::min<size_t>(text_bytes / 4 + 16, size_t(1) << 16)) {}
+  explicit Session(const Tokenizer::Impl& impl) : t(impl) {}
 
   void push_pair(int32_t left) {
     if (left < 0) return;
     const int32_t right = syms[size_t(left)].next;
     if (right < 0) return;
     const int32_t lid = syms[size_t(left)].id, rid = syms[size_t(right)].id;
-    const auto* hit = t.merges.find(lid, rid);
-    if (!hit) return;
-    heap.push_back({(uint64_t(uint32_t(hit->rank)) << 32) | uint32_t(left), right, lid, rid, hit->result});
+    const int32_t rank = t.merges.find(lid, rid);
+    if (rank < 0) return;
+    heap.push_back({(uint64_t(uint32_t(rank)) << 32) | uint32_t(left), right, lid, rid});
     std::push_heap(heap.begin(), heap.end(), [](const Cand& a, const Cand& b) { return a.key > b.key; });
   }
 
@@ -193,7 +178,7 @@ struct Session {
       if (l.id != c.lid || l.next != c.right) continue;
       Sym& r = syms[size_t(c.right)];
       if (r.id != c.rid) continue;
-      l.id = c.result;
+      l.id = t.merges.result(int32_t(c.key >> 32));
       l.next = r.next;
       if (r.next >= 0) syms[size_t(r.next)].prev = left;
       r.id = -1;
@@ -205,27 +190,18 @@ struct Session {
   }
 
   void word(std::string_view w, std::vector<int32_t>& out) {
-    WordCache::Slot& slot = cache.find(w);
-    if (slot.key) {
-      out.insert(out.end(), cache_ids.begin() + slot.ids_off,
-                 cache_ids.begin() + slot.ids_off + slot.ids_len);
-      return;
-    }
+    const uint32_t h = detail::hash_bytes(w);
+    if (cache.get(w, h, out)) return;
     const size_t before = out.size();
     bpe(w, out);
-    slot.key = w.data();
-    slot.len = uint32_t(w.size());
-    slot.ids_off = uint32_t(cache_ids.size());
-    slot.ids_len = uint32_t(out.size() - before);
-    cache_ids.insert(cache_ids.end(), out.begin() + long(before), out.end());
-    cache.filled();  // may rehash: `slot` is not used after this
+    if (!cache.full()) cache.put(w, h, out.data() + before, out.size() - before);
   }
 
   void fragment(std::string_view raw, std::vector<int32_t>& out) {
     std::string_view text = raw;
     if (!detail::utf8_valid(raw)) {
-      owned.push_back(detail::utf8_sanitize(raw));
-      text = owned.back();
+      owned = detail::utf8_sanitize(raw);
+      text = owned;
     }
     ends.clear();
     detail::split_qwen2(text, ends, split);
@@ -249,7 +225,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
   out.reserve(text.size() / 3 + 4);
   std::vector<Segment> segs;
   partition(parse_special ? t.special_all : t.special_user, text, segs);
-  Session s(t, text.size());
+  Session s(t);
   for (const Segment& g : segs) {
     if (g.id >= 0) {
       out.push_back(g.id);

@@ -124,41 +124,36 @@ class SymbolIndex {
 };
 
 // ---- merge table --------------------------------------------------------------------------------
-// Open-addressing map (left symbol, right symbol) -> (rank, merged symbol): one probe sequence over
-// a flat array, no allocation per lookup.
+// Open-addressing map (left symbol, right symbol) -> rank, 8 bytes a slot (21 + 21 bits of symbol
+// ids, 22 bits of rank) so the whole table stays small and cache-friendly; the merged symbol of a
+// rank is kept in a separate array and only read when a merge is applied.
 class MergeMap {
  public:
-  struct Hit {
-    int32_t rank;
-    int32_t result;
-  };
+  static constexpr uint32_t kMaxSymbols = (1u << 21) - 1;  // the all-ones key marks empty slots
+  static constexpr uint32_t kMaxRanks = 1u << 22;
   void reserve(size_t n);
-  // Keeps the first insertion for a key (llama.cpp emplaces, so the lowest rank wins).
+  // Keeps the first insertion for a pair (llama.cpp emplaces, so the lowest rank wins).
   void insert(int32_t left, int32_t right, int32_t rank, int32_t result);
-  const Hit* find(int32_t left, int32_t right) const {
-    if (slots_.empty()) return nullptr;
+  // The rank of the pair, or -1.
+  int32_t find(int32_t left, int32_t right) const {
+    if (slots_.empty()) return -1;
     const uint64_t key = pack(left, right);
-    size_t i = hash(key);
-    while (true) {
-      const Slot& s = slots_[i];
-      if (s.key == key) return &s.hit;
-      if (s.key == kEmpty) return nullptr;
-      i = (i + 1) & mask_;
+    for (size_t i = hash(key);; i = (i + 1) & mask_) {
+      const uint64_t s = slots_[i];
+      if ((s >> 22) == key) return int32_t(s & (kMaxRanks - 1));
+      if (s == kEmpty) return -1;
     }
   }
+  int32_t result(int32_t rank) const { return results_[size_t(rank)]; }
   size_t size() const { return size_; }
 
  private:
   static constexpr uint64_t kEmpty = ~uint64_t{0};
-  struct Slot {
-    uint64_t key = kEmpty;
-    Hit hit{0, 0};
-  };
-  static uint64_t pack(int32_t l, int32_t r) {
-    return (uint64_t(uint32_t(l)) << 32) | uint32_t(r);
-  }
+  static uint64_t pack(int32_t l, int32_t r) { return (uint64_t(uint32_t(l)) << 21) | uint32_t(r); }
   size_t hash(uint64_t key) const { return size_t((key * 0x9E3779B97F4A7C15ull) >> shift_); }
-  std::vector<Slot> slots_;
+  void place(uint64_t slot);
+  std::vector<uint64_t> slots_;  // key << 22 | rank
+  std::vector<int32_t> results_;  // rank -> merged symbol
   size_t mask_ = 0;
   unsigned shift_ = 64;
   size_t size_ = 0;

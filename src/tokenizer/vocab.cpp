@@ -179,28 +179,32 @@ namespace detail {
 void MergeMap::reserve(size_t n) {
   size_t cap = 16;
   unsigned bits = 4;
-  while (cap * 3 < n * 4) cap <<= 1, ++bits;  // load factor <= 0.75: a smaller, cache-friendlier table
-  slots_.assign(cap, Slot{});
+  while (cap * 3 < n * 4) cap <<= 1, ++bits;  // load factor <= 0.75
+  std::vector<uint64_t> old = std::move(slots_);
+  slots_.assign(cap, kEmpty);
   mask_ = cap - 1;
   shift_ = 64 - bits;
-  size_ = 0;
+  for (uint64_t s : old)
+    if (s != kEmpty) place(s);
+}
+
+void MergeMap::place(uint64_t slot) {
+  size_t i = hash(slot >> 22);
+  while (slots_[i] != kEmpty) i = (i + 1) & mask_;
+  slots_[i] = slot;
 }
 
 void MergeMap::insert(int32_t left, int32_t right, int32_t rank, int32_t result) {
-  if ((size_ + 1) * 4 > slots_.size() * 3) {
-    std::vector<Slot> old = std::move(slots_);
-    reserve(std::max<size_t>(16, old.size()));
-    for (const Slot& s : old)
-      if (s.key != kEmpty) insert(int32_t(s.key >> 32), int32_t(uint32_t(s.key)), s.hit.rank, s.hit.result);
-  }
+  if ((size_ + 1) * 4 > slots_.size() * 3) reserve(std::max<size_t>(16, slots_.size()));
   const uint64_t key = pack(left, right);
   size_t i = hash(key);
-  while (slots_[i].key != kEmpty) {
-    if (slots_[i].key == key) return;
+  while (slots_[i] != kEmpty) {
+    if ((slots_[i] >> 22) == key) return;
     i = (i + 1) & mask_;
   }
-  slots_[i].key = key;
-  slots_[i].hit = {rank, result};
+  slots_[i] = (key << 22) | uint64_t(rank);
+  if (results_.size() <= size_t(rank)) results_.resize(size_t(rank) + 1, -1);
+  results_[size_t(rank)] = result;
   ++size_;
 }
 
@@ -264,6 +268,9 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   if (!f.has(kMergesKey)) fail(Exit::unsupported, "'{}' is missing from the GGUF metadata", kMergesKey);
   const auto& merges = f.get_string_array(kMergesKey);
   t.n_merges = merges.size();
+  if (merges.size() >= detail::MergeMap::kMaxRanks)
+    fail(Exit::unsupported, "'{}' has {} entries; at most {} are supported", kMergesKey, merges.size(),
+         detail::MergeMap::kMaxRanks - 1);
   t.merges.reserve(merges.size());
   std::string joined;
   for (size_t r = 0; r < merges.size(); ++r) {
@@ -275,6 +282,9 @@ Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
     joined.assign(a);
     joined += b;
     const int32_t ia = intern(a), ib = intern(b), iab = intern(joined);
+    if (t.sym_text.size() > detail::MergeMap::kMaxSymbols)
+      fail(Exit::unsupported, "'{}' and '{}' define more than {} distinct symbols", kTokensKey,
+           kMergesKey, detail::MergeMap::kMaxSymbols);
     t.merges.insert(ia, ib, int32_t(r), iab);
   }
 
