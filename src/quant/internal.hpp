@@ -45,6 +45,10 @@ const char* type_label(Type t);  // "Q4_K", "IQ2_XXS", "type 99"
 // Blocks in a row of n elements; throws unless n is a positive multiple of the block size.
 int64_t blocks_in_row(Type t, int64_t n);
 
+// Small helpers shared by files compiled for different ISAs: internal linkage, so each file keeps
+// its own copy and no AVX-512 build of one can be picked by the linker for a scalar caller.
+namespace {
+
 inline float fp16(uint16_t h) { return fp16_to_f32(h); }
 
 // Round half to even for |v| < 2^22: adding 1.5·2^23 leaves the integer in the low mantissa bits,
@@ -73,6 +77,8 @@ inline int scale_q3k(int i, const uint8_t* b) {
   int hi = (b[8 + (i % 4)] >> (2 * (i / 4))) & 3;
   return (low | (hi << 4)) - 32;
 }
+
+}  // namespace
 
 // ---- kernel tables -------------------------------------------------------------------------
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
@@ -112,11 +118,13 @@ const Kernels& active();
 // Re-reads MOE_ISA (tests set it between cases).
 void reload_isa_from_env();
 
+namespace {
 // 8-lane canonical accumulation of legacy-block dot products: block b adds to lane b % 8, and the
 // lanes are folded as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), the order an AVX2 horizontal sum
 // takes, so the scalar and SIMD paths give the same float.
 inline float fold8(const float* l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
+}  // namespace
 
 }  // namespace moe::quant::detail

@@ -494,6 +494,7 @@ float fast_f32(const void* w, const void* x, int64_t n) { return exact_f32(w, st
 }  // namespace
 
 void fill_avx2_prefill_kernels(Kernels& k);
+void fill_avx2_exact_kernels(Kernels& k);
 
 void fill_avx2_kernels(Kernels& k) {
   auto i = [](Type t) { return static_cast<size_t>(t); };
@@ -509,6 +510,7 @@ void fill_avx2_kernels(Kernels& k) {
   k.dot_fast[i(Type::Q2_K)] = dot_q2_k_q8_k;
   k.dot_fast[i(Type::Q3_K)] = dot_q3_k_q8_k;
   fill_avx2_prefill_kernels(k);  // K-quant dots (single and multi-row), fp32 blocks
+  fill_avx2_exact_kernels(k);    // exact fallbacks and row dequantizers
   k.dot_fast[i(Type::F32)] = fast_f32;  // F32 weights pair with F32 activations
   k.dot_fast[i(Type::F16)] = dot_h16<false>;
   k.dot_fast[i(Type::BF16)] = dot_h16<true>;
