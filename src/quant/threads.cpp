@@ -149,7 +149,6 @@ struct MatmulJob {
   const uint8_t* acts;
   size_t act_stride;
   int64_t rows_per_task;
-  void* act_dst;
 };
 
 // Rows per task: a few tasks per thread so a slow thread does not hold up the others, rounded to
@@ -167,11 +166,11 @@ void matmul(const Matrix& W, const float* X, int64_t x_stride, int64_t n_tok, fl
             ActMode mode, ThreadPool& pool) {
   if (W.rows <= 0 || n_tok <= 0) return;
   if (!W.data) fail(Exit::other, "quant: matmul on a matrix without data");
-  MatmulJob job{&W, X, x_stride, n_tok, Y, y_stride, nullptr, 0, rows_per_task(W.rows, pool.size()), nullptr};
+  MatmulJob job{&W, X, x_stride, n_tok, Y, y_stride, nullptr, 0, rows_per_task(W.rows, pool.size())};
   const int64_t n_row_tasks = (W.rows + job.rows_per_task - 1) / job.rows_per_task;
 
+  const MatmulJob* j = &job;
   if (mode == ActMode::exact) {
-    const MatmulJob* j = &job;
     pool.run(n_row_tasks, [j](int64_t task, int) {
       int64_t r0 = task * j->rows_per_task, r1 = std::min(j->W->rows, r0 + j->rows_per_task);
       matmul_rows_exact(*j->W, r0, r1, j->X, j->x_stride, j->n_tok, j->Y, j->y_stride);
@@ -179,6 +178,18 @@ void matmul(const Matrix& W, const float* X, int64_t x_stride, int64_t n_tok, fl
     return;
   }
 
+  auto run_rows = [&] {
+    pool.run(n_row_tasks, [j](int64_t task, int) {
+      int64_t r0 = task * j->rows_per_task, r1 = std::min(j->W->rows, r0 + j->rows_per_task);
+      matmul_rows_fast(*j->W, r0, r1, j->acts, j->act_stride, j->n_tok, j->Y, j->y_stride);
+    });
+  };
+  if (act_type(W.type) == Type::F32) {  // F32 weights take the fp32 rows as they are
+    job.acts = reinterpret_cast<const uint8_t*>(X);
+    job.act_stride = static_cast<size_t>(x_stride) * sizeof(float);
+    run_rows();
+    return;
+  }
   // The quantized activations live in a buffer owned by the calling thread, grown when needed and
   // reused by every later call from that thread.
   thread_local std::vector<uint8_t> scratch;
@@ -188,7 +199,6 @@ void matmul(const Matrix& W, const float* X, int64_t x_stride, int64_t n_tok, fl
   auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   job.acts = base;
   job.act_stride = act_stride;
-  const MatmulJob* j = &job;
   if (n_tok > 1 && pool.size() > 1) {
     pool.run(n_tok, [j](int64_t t, int) {
       quantize_act(j->W->type, j->X + t * j->x_stride, const_cast<uint8_t*>(j->acts) + t * j->act_stride, j->W->cols);
@@ -196,10 +206,7 @@ void matmul(const Matrix& W, const float* X, int64_t x_stride, int64_t n_tok, fl
   } else {
     for (int64_t t = 0; t < n_tok; ++t) quantize_act(W.type, X + t * x_stride, base + t * act_stride, W.cols);
   }
-  pool.run(n_row_tasks, [j](int64_t task, int) {
-    int64_t r0 = task * j->rows_per_task, r1 = std::min(j->W->rows, r0 + j->rows_per_task);
-    matmul_rows_fast(*j->W, r0, r1, j->acts, j->act_stride, j->n_tok, j->Y, j->y_stride);
-  });
+  run_rows();
 }
 
 }  // namespace moe::quant
