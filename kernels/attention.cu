@@ -13,6 +13,7 @@ __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const
                                           const float* __restrict__ k_norm, int n_head, int n_head_kv, int hd,
                                           float eps, Rope rope, __half* kc, __half* vc) {
   __shared__ float red[32];
+  pdl_sync();
   const int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x, half_d = hd / 2;
   const int q_dim = n_head * hd, kv_dim = n_head_kv * hd;
   const int pos = pos0[0] + t;
@@ -93,6 +94,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   __shared__ float wm[kAttnWarps][G], wl[kAttnWarps][G];
   __shared__ float wacc[kAttnWarps][G][HD];
   __shared__ bool last;
+  pdl_sync();
   const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G;
@@ -232,10 +234,9 @@ cudaError_t launch_attention(const float* qkv, int qkv_stride, int n, const int3
                              const void* vc, int n_head_kv, int n_split, float* partials, int* counters, float* out,
                              cudaStream_t s) {
   dim3 grid(n_head_kv, n_split, n);
-  attention_kernel<D, G><<<grid, kAttnWarps * 32, 0, s>>>(qkv, qkv_stride, pos0, static_cast<const __half*>(kc),
-                                                          static_cast<const __half*>(vc), n_head_kv, n_split,
-                                                          partials, counters, out);
-  return cudaGetLastError();
+  return launch_pdl(attention_kernel<D, G>, grid, dim3(kAttnWarps * 32), 0, s, qkv, qkv_stride, pos0,
+                    static_cast<const __half*>(kc), static_cast<const __half*>(vc), n_head_kv, n_split, partials,
+                    counters, out);
 }
 
 template <int D>
@@ -263,10 +264,8 @@ cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const flo
                                int n_head, int n_head_kv, int head_dim, float eps, Rope rope, void* k_cache,
                                void* v_cache, cudaStream_t s) {
   dim3 grid(n_head + n_head_kv, n);
-  qk_norm_rope_store_kernel<<<grid, head_dim / 2, 0, s>>>(qkv, pos0, q_norm, k_norm, n_head, n_head_kv, head_dim, eps,
-                                                         rope, static_cast<__half*>(k_cache),
-                                                         static_cast<__half*>(v_cache));
-  return cudaGetLastError();
+  return launch_pdl(qk_norm_rope_store_kernel, grid, dim3(head_dim / 2), 0, s, qkv, pos0, q_norm, k_norm, n_head,
+                    n_head_kv, head_dim, eps, rope, static_cast<__half*>(k_cache), static_cast<__half*>(v_cache));
 }
 
 cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* k_cache,

@@ -5,6 +5,31 @@
 
 namespace moe::cuda::dev {
 
+// Programmatic dependent launch (sm_90): kernels launched with launch_pdl may start while the
+// previous kernel drains. Each such kernel calls pdl_wait() before touching activations (it returns
+// once the previous kernel has finished and its writes are visible) and pdl_trigger() right after,
+// so that when a kernel runs its pre-wait part the kernel two steps back is complete: weights and
+// anything older may be prefetched before the wait.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_sync() {
+  pdl_wait();
+  pdl_trigger();
+}
+// Pulls `bytes` at p into L2 (spread over the lanes of a warp).
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int64_t bytes, int lane) {
+  for (int64_t off = static_cast<int64_t>(lane) * 128; off < bytes; off += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
 // Activations live in shared memory as groups of 32 floats (8 float4 chunks). Chunk c of group g is
 // stored at float4 index 8g + (c ^ (g & 7)): lanes of a warp read different groups at once, and
 // without the xor 8 of them would hit the same 16-byte bank.
@@ -137,3 +162,23 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
 }
 
 }  // namespace moe::cuda::dev
+
+namespace moe::cuda::k {
+bool pdl_enabled();  // false when MOE_CUDA_PDL=0 (A/B measurements, a suspected driver problem)
+
+// Launches with the programmatic-stream-serialization attribute (see pdl_wait).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+}  // namespace moe::cuda::k

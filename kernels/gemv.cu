@@ -1,5 +1,7 @@
 // Decode-time matrix-vector products: weights dequantized in registers against fp32 activations
 // held in shared memory (the same arithmetic as the CPU's exact mode), one warp per output row.
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace moe::cuda::k {
@@ -25,6 +27,18 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
   extern __shared__ float4 smem4[];
   __shared__ float red[32];
   float* xs = reinterpret_cast<float*>(smem4);
+  {
+    // the first two rows of this warp do not depend on the previous kernel: fetch them now
+    const int r = 2 * (blockIdx.x * kWarps + (threadIdx.x >> 5));
+    int m = 0, rr = r;
+    while (m + 1 < a.n_outs && rr >= a.outs[m].W.rows) rr -= a.outs[m++].W.rows;
+    if (r < a.rows_total) {
+      const Mat& W = a.outs[m].W;
+      const int64_t n = (rr + 1 < W.rows ? 2 : 1) * W.row_stride;
+      prefetch_l2(W.data + rr * W.row_stride, n, threadIdx.x & 31);
+    }
+  }
+  pdl_sync();
   load_act(a.x, a.cols, a.norm_w, a.eps, xs, red);
   const int lane = threadIdx.x & 31;
   const int n_groups = a.cols >> 5;
@@ -68,6 +82,11 @@ __global__ void __launch_bounds__(kThreads) route_kernel(const float* __restrict
   __shared__ float red[32];
   __shared__ bool last;
   float* xs = reinterpret_cast<float*>(smem4);
+  {
+    const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (r < R.rows) prefetch_l2(R.data + r * R.row_stride, R.row_stride, threadIdx.x & 31);
+  }
+  pdl_sync();
   load_act(x, R.cols, norm_w, eps, xs, red);
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < R.cols; i += blockDim.x) h_out[i] = xs[swz(i)];
@@ -98,6 +117,7 @@ __global__ void __launch_bounds__(kThreads) expert_gate_up_kernel(Mat G, Mat U, 
   extern __shared__ float4 smem4[];
   __shared__ float red[32];
   float* xs = reinterpret_cast<float*>(smem4);
+  pdl_sync();  // the expert ids come from the previous kernel
   load_act(h, G.cols, nullptr, 0.f, xs, red);
   const int j = blockIdx.y;
   const int e = ids[j];
@@ -148,10 +168,19 @@ __global__ void __launch_bounds__(kThreads) expert_down_kernel(Mat D, const floa
   __shared__ int32_t sid[64];
   __shared__ float sw[64];
   float* xs = reinterpret_cast<float*>(smem4);
+  // the routing (two kernels back) is complete: fetch the chosen experts' rows while the
+  // gate/up kernel finishes
   if (threadIdx.x < n_used) {
     sid[threadIdx.x] = ids[threadIdx.x];
     sw[threadIdx.x] = weights[threadIdx.x];
   }
+  __syncthreads();
+  {
+    const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (r < D.rows)
+      for (int j = 0; j < n_used; ++j) prefetch_l2(D.data + sid[j] * D.expert_stride + r * D.row_stride, D.row_stride, threadIdx.x & 31);
+  }
+  pdl_sync();
   load_act(act, D.cols * n_used, nullptr, 0.f, xs, red);
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -165,6 +194,14 @@ __global__ void __launch_bounds__(kThreads) expert_down_kernel(Mat D, const floa
 int g_sm_count = 0;
 
 }  // namespace
+
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOE_CUDA_PDL");
+    return !(v && v[0] == '0');
+  }();
+  return on;
+}
 
 int sm_count() {
   if (g_sm_count == 0) {
@@ -202,32 +239,29 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
   a.accumulate = accumulate ? 1 : 0;
   const int blocks_needed = (a.rows_total + 2 * kWarps - 1) / (2 * kWarps);
   const int grid = blocks_needed < sm_count() * 8 ? blocks_needed : sm_count() * 8;
-  gemv_kernel<<<grid, kThreads, a.cols * sizeof(float), s>>>(a);
-  return cudaGetLastError();
+  return launch_pdl(gemv_kernel, dim3(grid), dim3(kThreads), a.cols * sizeof(float), s, a);
 }
 
 cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, int n_used, float* h_out,
                         float* scratch, int* counter, int32_t* ids, float* weights, cudaStream_t s) {
   const int grid = (R.rows + kWarps - 1) / kWarps;
   size_t smem = static_cast<size_t>(R.cols > 2 * R.rows ? R.cols : 2 * R.rows) * sizeof(float);
-  route_kernel<<<grid, kThreads, smem, s>>>(x, norm_w, eps, R, n_used, h_out, scratch, counter, ids, weights);
-  return cudaGetLastError();
+  return launch_pdl(route_kernel, dim3(grid), dim3(kThreads), smem, s, x, norm_w, eps, R, n_used, h_out, scratch, counter,
+                    ids, weights);
 }
 
 cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
                            cudaStream_t s) {
   dim3 grid((G.rows + kWarps - 1) / kWarps, n_used);
-  expert_gate_up_kernel<<<grid, kThreads, G.cols * sizeof(float), s>>>(G, U, h, ids, act);
-  return cudaGetLastError();
+  return launch_pdl(expert_gate_up_kernel, grid, dim3(kThreads), G.cols * sizeof(float), s, G, U, h, ids, act);
 }
 
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
                             float* x, cudaStream_t s) {
   if (n_used > 64) return cudaErrorInvalidValue;
   const int grid = (D.rows + kWarps - 1) / kWarps;
-  expert_down_kernel<<<grid, kThreads, static_cast<size_t>(D.cols) * n_used * sizeof(float), s>>>(D, act, ids, weights,
-                                                                                                  n_used, x);
-  return cudaGetLastError();
+  return launch_pdl(expert_down_kernel, dim3(grid), dim3(kThreads), static_cast<size_t>(D.cols) * n_used * sizeof(float), s,
+                    D, act, ids, weights, n_used, x);
 }
 
 }  // namespace moe::cuda::k

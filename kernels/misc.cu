@@ -68,6 +68,7 @@ constexpr int kArgmaxBlocks = 128;
 
 // Stage 1: each block reduces a contiguous slice; stage 2: one block reduces the partials.
 __global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi) {
+  pdl_sync();
   const int per = (n + gridDim.x - 1) / gridDim.x;
   const int lo = blockIdx.x * per, hi = min(n, lo + per);
   float best = -INFINITY;
@@ -78,6 +79,7 @@ __global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi)
 }
 
 __global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int32_t* out) {
+  pdl_sync();
   float best = -INFINITY;
   int idx = 0x7fffffff;
   for (int i = threadIdx.x; i < np; i += blockDim.x) argmax_merge(best, idx, pv[i], pi[i]);
@@ -162,11 +164,10 @@ cudaError_t rmsnorm_rows(const float* x, const float* w, int n, int cols, int st
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s) {
   float* pv = scratch;
   int* pi = reinterpret_cast<int*>(scratch + kArgmaxBlocks);
-  argmax_partial_kernel<<<kArgmaxBlocks, 256, 0, s>>>(x, n, pv, pi);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = launch_pdl(argmax_partial_kernel, dim3(kArgmaxBlocks), dim3(256), 0, s, x, n, pv, pi);
   if (e) return e;
-  argmax_final_kernel<<<1, kArgmaxBlocks, 0, s>>>(pv, pi, kArgmaxBlocks, out);
-  return cudaGetLastError();
+  return launch_pdl(argmax_final_kernel, dim3(1), dim3(kArgmaxBlocks), 0, s, static_cast<const float*>(pv),
+                    static_cast<const int*>(pi), kArgmaxBlocks, out);
 }
 
 cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,
