@@ -109,7 +109,9 @@ TEST(Encode, RunsOfSpacesAndNewlines) {
   for (int n = 1; n <= 16; ++n) {
     const std::string sp(size_t(n), ' ');
     const int32_t id = vocab_id(tok, sp);
-    if (id >= 0) EXPECT_EQ(tok.encode(sp), (Ids{id})) << n << " spaces";
+    if (id >= 0) {
+      EXPECT_EQ(tok.encode(sp), (Ids{id})) << n << " spaces";
+    }
     const Ids ids = tok.encode(sp + "x");
     EXPECT_EQ(tok.decode(ids), sp + "x");
     EXPECT_EQ(ids.back(), vocab_id(tok, " x"));
@@ -150,7 +152,6 @@ TEST(Encode, ContractionsInAllCases) {
 }
 
 TEST(Encode, Scripts) {
-  const Tokenizer& tok = qwen2();
   // CJK letters and Latin letters form one letter run; CJK punctuation prefixes the next run.
   expect_words({"\xE6\x88\x91\xE6\x83\xB3\xE5\x9C\xA8" "apple" "\xE5\xB7\xA5\xE4\xBD\x9C"});
   expect_words({"\xE6\x9D\xB1\xE4\xBA\xAC", "\xE3\x80\x81\xE5\xA4\xA7\xE9\x98\xAA", "\xE3\x80\x82"});

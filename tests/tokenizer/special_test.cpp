@@ -36,7 +36,7 @@ TEST(Special, ControlTokensInsideText) {
 
 TEST(Special, PartialAndBrokenMarkersAreText) {
   const Tokenizer& tok = qwen2();
-  for (const char* s : {"<|im_end", "<|im_end |>", "|im_end|>", "<|IM_END|>", "<|im_\xE2\x80\x8Bend|>"}) {
+  for (const char* s : {"<|im_end", "<|im_end |>", "|im_end|>", "<|IM_END|>", "<|im_\xE2\x80\x8B" "end|>"}) {
     const Ids ids = tok.encode(s);
     EXPECT_TRUE(std::none_of(ids.begin(), ids.end(), [](int32_t id) { return id >= kEndOfText; })) << s;
     EXPECT_EQ(tok.decode(ids), s);
