@@ -52,9 +52,21 @@ std::string accept_line(const Report& r, double ms);
 std::string skipped_line();
 std::string nothing_judged_line(int64_t n_prompt);
 
-// Runs the probe (the last kProbeMax tokens of `prompt`, then one decode step on the CPU's argmax
-// of the last probe row) through both forwards from an empty cache and reports. Both forwards are
-// reset() before and after. `cpu_exact` should be the FP32-activation CPU forward.
+// The probe: the last kProbeMax tokens of `prompt`, then one decode step on the CPU's argmax of
+// the last probe row, each side from an empty cache (forwards are reset() before and after).
+struct Reference {
+  std::vector<float> rows;  // (n_probe + 1) rows of n_vocab
+  int32_t next = 0;         // the decode step's token
+  int64_t n_vocab = 0;
+  double ms = 0;            // time the reference took
+};
+// CPU side; `cpu_exact` should be the FP32-activation CPU forward. Independent of the GPU, so the
+// dispatcher may run it while the GPU model uploads.
+Reference cpu_reference(Forward& cpu_exact, std::span<const int32_t> prompt);
+// GPU side: the probe in one eval with every row, then the decode step through eval. Any exception
+// becomes Error(Exit::gpu_failed) naming the guard.
+std::vector<float> gpu_probe(Forward& gpu, std::span<const int32_t> prompt, const Reference& ref);
+// Both sides, then f2_report.
 Report run_probe(Forward& cpu_exact, Forward& gpu, std::span<const int32_t> prompt);
 
 }  // namespace moe::guard

@@ -56,7 +56,8 @@ struct GpuRequest {
   quant::ThreadPool* pool = nullptr;  // for fake GPUs that are really CPU forwards (tests)
   bool progress = false;
 };
-// Builds the GPU forward or throws (any exception is a reason to fall back).
+// Builds the GPU forward or throws (any exception is a reason to fall back). It must not run work
+// on `pool`: the guard's CPU reference may be using it meanwhile.
 using GpuFactory = std::function<std::unique_ptr<Forward>(std::shared_ptr<const model::OwnedQuantizedModel>,
                                                           const GpuRequest&, GpuInfo&)>;
 
@@ -73,6 +74,9 @@ std::unique_ptr<Forward> wrap_fault(std::unique_ptr<Forward> gpu, Fault f, int64
 
 struct Backends {
   GpuFactory gpu;          // empty: this build has no CUDA
+  // Is device N there at all? Lets the dispatcher start the guard's CPU reference while the GPU
+  // model uploads without wasting it when there is no device. Empty: assume present.
+  std::function<bool(int device)> gpu_present;
   Fault fault = Fault::none;
   bool skip_guard = false;  // SKIP_PARITY_GATE=1
 };

@@ -1,4 +1,5 @@
 // f2_report and its messages. Thresholds and semantics: DESIGN.md "The guard is a pure function".
+#include <chrono>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -103,34 +104,50 @@ std::string nothing_judged_line(int64_t n_prompt) {
   return fmt::format("F2 guard: a {}-token prompt has no real position to compare; nothing was judged", n_prompt);
 }
 
-Report run_probe(Forward& cpu_exact, Forward& gpu, std::span<const int32_t> prompt) {
+static std::span<const int32_t> probe_of(std::span<const int32_t> prompt) {
   const size_t n_probe = std::min(prompt.size(), static_cast<size_t>(kProbeMax));
-  auto probe = prompt.subspan(prompt.size() - n_probe);
-  const int64_t nv = cpu_exact.n_vocab();
-  if (gpu.n_vocab() != nv)
-    fail(Exit::gpu_failed, "the GPU forward has {} vocabulary rows, the CPU forward {}", gpu.n_vocab(), nv);
+  return prompt.subspan(prompt.size() - n_probe);
+}
 
-  std::vector<float> cpu_rows, gpu_rows, step;
+Reference cpu_reference(Forward& cpu_exact, std::span<const int32_t> prompt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto probe = probe_of(prompt);
+  Reference r;
+  r.n_vocab = cpu_exact.n_vocab();
+  std::vector<float> step;
   cpu_exact.reset();
-  cpu_exact.eval(probe, true, cpu_rows);
-  const int32_t next = argmax(std::span<const float>(cpu_rows).subspan((n_probe - 1) * static_cast<size_t>(nv)));
-  cpu_exact.eval(std::span<const int32_t>(&next, 1), false, step);
-  cpu_rows.insert(cpu_rows.end(), step.begin(), step.end());
+  cpu_exact.eval(probe, true, r.rows);
+  r.next = argmax(std::span<const float>(r.rows).subspan((probe.size() - 1) * static_cast<size_t>(r.n_vocab)));
+  cpu_exact.eval(std::span<const int32_t>(&r.next, 1), false, step);
+  r.rows.insert(r.rows.end(), step.begin(), step.end());
   cpu_exact.reset();
+  r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
 
+std::vector<float> gpu_probe(Forward& gpu, std::span<const int32_t> prompt, const Reference& ref) {
+  const auto probe = probe_of(prompt);
+  std::vector<float> rows, step;
   // Any GPU-side failure is a reason to fall back, whatever category the backend gave it.
   try {
+    if (gpu.n_vocab() != ref.n_vocab)
+      fail(Exit::gpu_failed, "the GPU forward has {} vocabulary rows, the CPU forward {}", gpu.n_vocab(), ref.n_vocab);
     gpu.reset();
-    gpu.eval(probe, true, gpu_rows);
-    gpu.eval(std::span<const int32_t>(&next, 1), false, step);
-    gpu_rows.insert(gpu_rows.end(), step.begin(), step.end());
+    gpu.eval(probe, true, rows);
+    gpu.eval(std::span<const int32_t>(&ref.next, 1), false, step);
+    rows.insert(rows.end(), step.begin(), step.end());
     gpu.reset();
-    if (gpu_rows.size() != cpu_rows.size())
-      fail(Exit::gpu_failed, "it returned {} logits for the probe, expected {}", gpu_rows.size(), cpu_rows.size());
+    if (rows.size() != ref.rows.size())
+      fail(Exit::gpu_failed, "it returned {} logits for the probe, expected {}", rows.size(), ref.rows.size());
   } catch (const std::exception& e) {
     fail(Exit::gpu_failed, "the GPU forward failed during the F2 guard: {}", e.what());
   }
-  return f2_report(cpu_rows, gpu_rows, nv);
+  return rows;
+}
+
+Report run_probe(Forward& cpu_exact, Forward& gpu, std::span<const int32_t> prompt) {
+  const Reference ref = cpu_reference(cpu_exact, prompt);
+  return f2_report(ref.rows, gpu_probe(gpu, prompt, ref), ref.n_vocab);
 }
 
 }  // namespace moe::guard

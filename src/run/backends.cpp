@@ -117,6 +117,7 @@ Backends backends_from_env() {
     return b;
   }
 #if defined(MOE_HAVE_CUDA)
+  b.gpu_present = [](int device) { return device < cuda::device_count(); };
   b.gpu = [](std::shared_ptr<const model::OwnedQuantizedModel> m, const GpuRequest& r, GpuInfo& info) {
     cuda::Options o;
     o.device = r.device;

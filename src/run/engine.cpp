@@ -1,5 +1,6 @@
 #include "engine.hpp"
 
+#include <future>
 #include <ostream>
 
 #include <fmt/format.h>
@@ -72,6 +73,17 @@ void Engine::start(std::span<const int32_t> prompt) {
 
   // ---- GPU attempt: build, then prove it on this prompt.
   const int64_t n_probe = std::min<int64_t>(static_cast<int64_t>(prompt.size()), guard::kProbeMax);
+  const bool guard_judges = !b_.skip_guard && n_probe >= 2;
+  // The CPU side of the guard needs nothing from the GPU: start it now so it runs while the GPU
+  // model builds and uploads (seconds on a large model), not after. Only when a device is there:
+  // a missing device fails at once and should fall back at once.
+  std::future<guard::Reference> reference;
+  if (guard_judges && b_.fault != Fault::gpu_init && (!b_.gpu_present || b_.gpu_present(cfg_.device))) {
+    reference = std::async(std::launch::async, [this, prompt, n_probe] {
+      auto cpu_exact = make_cpu(n_probe + 1, quant::ActMode::exact);
+      return guard::cpu_reference(*cpu_exact, prompt);
+    });
+  }
   GpuInfo info;
   std::string failure;
   try {
@@ -82,7 +94,7 @@ void Engine::start(std::span<const int32_t> prompt) {
     // The probe's decode step needs one position past the probe even when nothing is generated.
     req.n_ctx = std::max(n_ctx_, n_probe + 1);
     req.pool = &pool_;
-    req.progress = cfg_.verbose;
+    req.progress = !cfg_.quiet;  // the CUDA side draws it only on a terminal
     fwd_ = wrap_fault(b_.gpu(model_, req, info), b_.fault, static_cast<int64_t>(prompt.size()));
     if (!fwd_) fail(Exit::gpu_failed, "the CUDA model would not build: no forward was returned");
   } catch (const std::exception& e) {
@@ -90,6 +102,12 @@ void Engine::start(std::span<const int32_t> prompt) {
   }
   rep_.build_ms = ms_between(t0, Clock::now());
   if (!failure.empty()) {
+    if (reference.valid()) {
+      try {
+        reference.get();  // the CPU run below reports its own failures
+      } catch (const std::exception&) {
+      }
+    }
     fall_back(failure);
     return;
   }
@@ -102,30 +120,40 @@ void Engine::start(std::span<const int32_t> prompt) {
                         info.vram_total_mib, info.upload_ms > 0 ? info.upload_ms : rep_.build_ms);
 
   rep_.guard_ran = true;
-  const auto tg = Clock::now();
   if (b_.skip_guard) {
     rep_.guard_skipped = true;
     if (!cfg_.quiet) err_ << guard::skipped_line() << '\n';
     return;
   }
-  if (n_probe < 2) {
+  if (!guard_judges) {
     rep_.guard_positions = n_probe;
     if (!cfg_.quiet) err_ << guard::nothing_judged_line(static_cast<int64_t>(prompt.size())) << '\n';
     return;
   }
+  const auto tg = Clock::now();
+  // CPU failures (non-finite reference logits, memory) are real errors and propagate from here.
+  guard::Reference ref;
+  if (reference.valid()) {
+    ref = reference.get();
+  } else {
+    auto cpu_exact = make_cpu(n_probe + 1, quant::ActMode::exact);
+    ref = guard::cpu_reference(*cpu_exact, prompt);
+  }
+  rep_.guard_ref_ms = ref.ms;
   guard::Report r;
   try {
-    // The reference: FP32 activations, batched over the probe, its own small cache.
-    auto ref = make_cpu(n_probe + 1, quant::ActMode::exact);
-    r = guard::run_probe(*ref, *fwd_, prompt);
+    r = guard::f2_report(ref.rows, guard::gpu_probe(*fwd_, prompt, ref), ref.n_vocab);
   } catch (const Error& e) {
-    if (e.code() != Exit::gpu_failed) throw;  // the CPU reference itself failed: a real error
     rep_.guard_ms = ms_between(tg, Clock::now());
     rep_.guard_accepted = false;
     fall_back(e.what());
     return;
   }
   rep_.guard_ms = ms_between(tg, Clock::now());
+  if (cfg_.verbose)
+    err_ << fmt::format("[verbose] F2 guard: CPU reference (FP32 activations, {} positions) {:.1f} ms, run while "
+                        "the GPU model uploaded; the guard added {:.1f} ms after the upload\n",
+                        n_probe + 1, ref.ms, rep_.guard_ms);
   // A non-finite reference is the CPU's failure, not the GPU's: falling back could not help.
   if (r.non_finite_side && *r.non_finite_side == "CPU")
     fail(Exit::inference, "non-finite logits at position {} of the F2 guard's probe (token id {}) on the CPU",

@@ -32,7 +32,8 @@ struct BackendReport {
   std::optional<double> guard_min_cosine;
   bool guard_accepted = true;
   std::optional<int64_t> guard_first_bad;
-  double guard_ms = 0;
+  double guard_ms = 0;      // what the guard added before the first token (its critical path)
+  double guard_ref_ms = 0;  // the CPU reference's own time (overlapped with the GPU upload)
 };
 
 class Engine {
