@@ -99,7 +99,8 @@ Image Image::read(const std::vector<uint8_t>& bytes) {
     r.offset = w.get<uint64_t>("tensor offset");
     img.tensors.push_back(std::move(r));
   }
-  uint64_t data_start = (w.pos + img.alignment - 1) / img.alignment * img.alignment;
+  // The data section is aligned only when there are tensors (a vocab-only file ends right here).
+  uint64_t data_start = nt ? (w.pos + img.alignment - 1) / img.alignment * img.alignment : w.pos;
   img.fields.push_back({data_start, "data"});
   img.data.assign(bytes.begin() + static_cast<long>(data_start), bytes.end());
   return img;
@@ -125,7 +126,8 @@ std::vector<uint8_t> Image::write() const {
     put<uint32_t>(out, r.type);
     put<uint64_t>(out, r.offset);
   }
-  while (out.size() % alignment) out.push_back(0);
+  if (!tensors.empty())
+    while (out.size() % alignment) out.push_back(0);
   out.insert(out.end(), data.begin(), data.end());
   return out;
 }
