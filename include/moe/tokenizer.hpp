@@ -98,6 +98,8 @@ bool template_is_chatml(std::string_view jinja_source);
 // system texts are inserted verbatim. Throws Exit::unsupported with a message when template_source
 // is non-null and not ChatML-like; a null template_source (--chat on a GGUF without a template)
 // renders the same ChatML form.
+// Does the template have Qwen3's thinking switch (enable_thinking)? No template = the built-in Qwen3 form.
+bool template_has_thinking(const std::string* template_source);
 std::string render_chat(const std::string* template_source, const ChatRequest& req);
 
 }  // namespace moe::tok

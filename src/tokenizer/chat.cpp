@@ -10,6 +10,11 @@ bool template_is_chatml(std::string_view src) {
          src.find("role") != std::string_view::npos && src.find("content") != std::string_view::npos;
 }
 
+bool template_has_thinking(const std::string* template_source) {
+  if (!template_source) return true;  // the built-in form is Qwen3's
+  return template_source->find("enable_thinking") != std::string::npos;
+}
+
 std::string render_chat(const std::string* template_source, const ChatRequest& req) {
   if (template_source && !template_is_chatml(*template_source))
     fail(Exit::unsupported,
@@ -25,7 +30,9 @@ std::string render_chat(const std::string* template_source, const ChatRequest& r
   out += "<|im_start|>user\n";
   out += req.user;
   out += "<|im_end|>\n<|im_start|>assistant\n";
-  if (!req.thinking) out += "<think>\n\n</think>\n\n";
+  // The empty think block is what a Qwen3 template renders with enable_thinking = false; a ChatML
+  // template without that switch (Qwen2, Qwen3 Instruct-2507) renders none, so none is added there.
+  if (!req.thinking && template_has_thinking(template_source)) out += "<think>\n\n</think>\n\n";
   return out;
 }
 

@@ -57,6 +57,18 @@ TEST(Chat, NoTemplateStillRendersChatML) {  // --chat on a GGUF without a templa
             "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
 }
 
+TEST(Chat, ThinkBlockOnlyWhereTheTemplateHasTheSwitch) {
+  // Qwen2's ChatML template (the vocab fixture's) has no enable_thinking: it renders no think block.
+  const std::string qwen2 =
+      "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+      "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+  ChatRequest r{"x", std::nullopt, false};
+  EXPECT_EQ(render_chat(&qwen2, r), "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_FALSE(template_has_thinking(&qwen2));
+  EXPECT_TRUE(template_has_thinking(&kQwen3Like));
+  EXPECT_TRUE(template_has_thinking(nullptr));
+}
+
 TEST(Chat, NonChatMLTemplateIsRefused) {
   EXPECT_FALSE(template_is_chatml(kLlama3));
   EXPECT_FALSE(template_is_chatml(""));
