@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "moe/error.hpp"
+#include "gemm.hpp"
 #include "state.hpp"
 
 namespace moe::cpu {
@@ -161,7 +162,7 @@ void project(const State& s, const Proj* ps, int n_proj, const float* x, int64_t
     const int64_t r0 = (task - first_task[i]) * chunk;
     const int64_t r1 = std::min(p.w.rows, r0 + chunk);
     if (src[i].act) {
-      quant::matmul_rows_fast(p.w, r0, r1, src[i].act, src[i].stride, n_tok, p.y, p.y_stride);
+      matmul_rows(p.w, r0, r1, src[i].act, src[i].stride, n_tok, p.y, p.y_stride);
     } else {
       quant::matmul_rows_exact(p.w, r0, r1, x, x_stride, n_tok, p.y, p.y_stride);
     }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "moe/error.hpp"
+#include "gemm.hpp"
 #include "state.hpp"
 
 namespace moe::cpu {
@@ -24,7 +25,7 @@ void expert_rows(const quant::Matrix& w, int64_t r0, int64_t r1, const ExpertInp
     quant::matmul_rows_exact(w, r0, r1, reinterpret_cast<const float*>(act),
                              static_cast<int64_t>(in.stride / sizeof(float)), n_tok, y, y_stride);
   } else {
-    quant::matmul_rows_fast(w, r0, r1, act, in.stride, n_tok, y, y_stride);
+    matmul_rows(w, r0, r1, act, in.stride, n_tok, y, y_stride);
   }
 }
 

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "../../src/cpu/gemm.hpp"
 #include "moe/cpu.hpp"
 #include "moe/model.hpp"
 
@@ -167,6 +168,31 @@ void BM_HeadGemv(benchmark::State& st) {
   st.counters["GB/s"] = best;
 }
 
+// Prefill kernel throughput on one thread: 64 tokens against the first expert's gate rows (Q4_K
+// in a Q4_K_M file), through quant::matmul_rows_fast (quant) or the forward's dispatch (forward).
+void BM_ExpertGemm(benchmark::State& st, bool forward_kernels) {
+  const moe::quant::Matrix w = g.model->layers[0].ffn_gate_exps.expert(0);
+  constexpr int64_t kTok = 64;
+  const size_t stride = moe::quant::act_row_bytes(w.type, w.cols);
+  std::vector<uint8_t> acts(stride * kTok);
+  std::vector<float> x(static_cast<size_t>(w.cols)), y(static_cast<size_t>(w.rows * kTok));
+  for (int64_t t = 0; t < kTok; ++t) {
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i * (t + 1)));
+    moe::quant::quantize_act(w.type, x.data(), acts.data() + t * stride, w.cols);
+  }
+  for (auto _ : st) {
+    if (forward_kernels) {
+      moe::cpu::matmul_rows(w, 0, w.rows, acts.data(), stride, kTok, y.data(), w.rows);
+    } else {
+      moe::quant::matmul_rows_fast(w, 0, w.rows, acts.data(), stride, kTok, y.data(), w.rows);
+    }
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GMAC/s"] = benchmark::Counter(static_cast<double>(w.rows * w.cols * kTok) / 1e9,
+                                             benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(moe::gguf::type_name(w.type));
+}
+
 // llama-bench's average tok/s for (n_prompt, n_gen) from its JSON output; 0 when absent.
 double llama_ts(const std::string& json, int n_prompt, int n_gen) {
   size_t at = 0;
@@ -238,6 +264,8 @@ int main(int argc, char** argv) {
 
   benchmark::RegisterBenchmark("read_bandwidth", BM_ReadBandwidth)->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("lm_head_gemv", BM_HeadGemv)->Iterations(10)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("expert_gemm_quant", BM_ExpertGemm, false)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("expert_gemm_forward", BM_ExpertGemm, true)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("prefill_512", BM_Prefill512)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("decode_128", BM_Decode)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
   try {
