@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "moe/quant.hpp"
@@ -84,12 +85,18 @@ void rope_neox(float* x, const float* cs, int n_dims) {
 // ---- fp16 ------------------------------------------------------------------------------------
 namespace {
 
+// CPUID leaf 1, ECX bit 29. clang before 16 has no "f16c" in __builtin_cpu_supports (the fuzz build).
+static bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
+}
+
 bool use_f16c() {
   static const bool ok = [] {
     const char* cap = std::getenv("MOE_ISA");
     if (cap && std::strcmp(cap, "scalar") == 0) return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   }();
   return ok;
 }

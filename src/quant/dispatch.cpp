@@ -7,6 +7,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "internal.hpp"
 #include "moe/error.hpp"
 
@@ -50,11 +54,19 @@ std::atomic<const Kernels*> g_active{nullptr};
 
 }  // namespace
 
+#if defined(__x86_64__) || defined(__i386__)
+// CPUID leaf 1, ECX bit 29; clang before 16 has no "f16c" in __builtin_cpu_supports (the fuzz build).
+static bool has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
+}
+#endif
+
 Isa cpu_isa() {
 #if defined(__x86_64__) || defined(__i386__)
   static const Isa isa = [] {
     __builtin_cpu_init();
-    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c() &&
                 __builtin_cpu_supports("bmi2");
     if (!avx2) return Isa::scalar;
     // The AVX-512 kernels use VNNI (vpdpbusd); without it the AVX2 ones are as good.
