@@ -189,31 +189,33 @@ float dot_q4_0_q8_0(const void* w, const void* a, int64_t n) {
   return r;
 }
 
+// K-quants: a per-super-block kernel leaves, for each activation row, 8 int32 lanes summing to the
+// scaled-product integer (vs) and 8 summing to the min-term integer (vm). The driver collects eight
+// super-blocks, transposes their lanes into one vector each (reduce8) and applies the float scales
+// on eight lanes at once: super-block b updates lane b % 8, as in the scalar kernel.
+struct KOut {
+  __m256i vs, vm;
+};
+
+inline __m256i fold256(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
 // Q4_K/Q5_K: per 64-element chunk one zmm of codes (low nibbles = sub-block 2c, high = 2c+1),
 // u8·s8 pairs to int16 (exact: 31·127·2 < 2^15), then a 16-bit multiply-add with the scales.
-// NA activation rows share the unpacked weights (prefill); each output follows the single-row order.
 template <bool kFive, int NA>
-void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
-  const uint8_t* base = static_cast<const uint8_t*>(w);
-  const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  float sumf[NA] = {};
-  for (int64_t b = 0; b < n / kQKK; ++b) {
-    const uint8_t* blk = base + b * bytes;
-    uint16_t d, dmin;
+struct K4Block {
+  static constexpr size_t kBytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  static constexpr bool kHasMin = true;
+  static void run(const uint8_t* blk, const BlockQ8_K* const* y, KOut* out, uint16_t& d, uint16_t& dmin) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
     std::memcpy(&d, blk, 2);
     std::memcpy(&dmin, blk + 2, 2);
     uint64_t sc8, m8;
     unpack_k4(blk + 4, sc8, m8);
     const uint8_t* qs = blk + (kFive ? 48 : 16);
     const __m512i scp = pairs16(sc8);
-    const BlockQ8_K* y[NA];
     __m512i acc[NA];
-    for (int a = 0; a < NA; ++a) {
-      y[a] = reinterpret_cast<const BlockQ8_K*>(act + a * act_stride) + b;
-      acc[a] = _mm512_setzero_si512();
-    }
-    __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
+    for (int a = 0; a < NA; ++a) acc[a] = _mm512_setzero_si512();
+    const __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       __m256i q = load256(qs + 32 * c);
       __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
@@ -231,36 +233,32 @@ void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, flo
     }
     // Σ_s m_s·(bsum_2s + bsum_2s+1): one 16-bit multiply-add of the bsums against (m_s, m_s) pairs.
     const __m256i mp = _mm512_castsi512_si256(pairs16(m8));
-    const float fd = h2f(d), fm = h2f(dmin);
     for (int a = 0; a < NA; ++a) {
-      int imin = hsum_i32(_mm256_madd_epi16(load256(y[a]->bsums), mp));
-      int isum = hsum_i32(acc[a]);
-      sumf[a] += fd * y[a]->d * static_cast<float>(isum);
-      sumf[a] -= fm * y[a]->d * static_cast<float>(imin);
+      out[a].vs = fold256(acc[a]);
+      out[a].vm = _mm256_madd_epi16(load256(y[a]->bsums), mp);
     }
   }
-  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
-}
+};
 
-// Q6_K: 64 codes (0..63) per zmm; each 128-bit lane is one group of 16 with its own scale.
+// Q6_K: 64 codes (0..63) per zmm; each 128-bit lane is one group of 16 with its own scale; the −32
+// offset of every code comes out through the bsums.
 template <int NA>
-void dot_q6_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
-  auto* x = static_cast<const BlockQ6_K*>(w);
-  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
-  float sumf[NA] = {};
-  for (int64_t b = 0; b < n / kQKK; ++b) {
-    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
+struct Q6Block {
+  static constexpr size_t kBytes = sizeof(BlockQ6_K);
+  static constexpr bool kHasMin = false;
+  static void run(const uint8_t* blk, const BlockQ8_K* const* y, KOut* out, uint16_t& d, uint16_t& dmin) {
+    const auto* x = reinterpret_cast<const BlockQ6_K*>(blk);
+    const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
+    d = x->d;
+    dmin = 0;
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x->scales));
     const __m512i s32 = _mm512_cvtepi8_epi32(s8);
     const __m512i sp = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
-    const BlockQ8_K* y[NA];
     __m512i acc[NA];
-    for (int a = 0; a < NA; ++a) {
-      y[a] = reinterpret_cast<const BlockQ8_K*>(act + a * act_stride) + b;
-      acc[a] = _mm512_setzero_si512();
-    }
+    for (int a = 0; a < NA; ++a) acc[a] = _mm512_setzero_si512();
     for (int nn = 0; nn < 2; ++nn) {
-      const __m512i L = _mm512_loadu_si512(x[b].ql + 64 * nn);
-      const __m256i H = load256(x[b].qh + 32 * nn);
+      const __m512i L = _mm512_loadu_si512(x->ql + 64 * nn);
+      const __m256i H = load256(x->qh + 32 * nn);
       // Elements 0..63 of the half: low nibbles, high bits (H>>0)&3 then (H>>2)&3.
       const __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
                                         _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
@@ -276,16 +274,70 @@ void dot_q6_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, f
         acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(B, _mm512_loadu_si512(y[a]->qs + 128 * nn + 64)), sb);
       }
     }
-    // Σ_g S_g·32·bsum_g, subtracted for the -32 offset of every code.
     const __m256i s16 = _mm256_cvtepi8_epi16(s8);
-    const float fd = h2f(x[b].d);
     for (int a = 0; a < NA; ++a) {
-      int ioff = hsum_i32(_mm256_madd_epi16(load256(y[a]->bsums), s16)) * 32;
-      int isum = hsum_i32(acc[a]) - ioff;
-      sumf[a] += fd * y[a]->d * static_cast<float>(isum);
+      // Σ_g S_g·32·bsum_g taken off lane by lane (the lanes' total is what matters).
+      __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(load256(y[a]->bsums), s16), 5);
+      out[a].vs = _mm256_sub_epi32(fold256(acc[a]), off);
+      out[a].vm = _mm256_setzero_si256();
     }
   }
-  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
+};
+
+template <typename Block, int NA>
+void drive_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
+  const uint8_t* base = static_cast<const uint8_t*>(w);
+  const int64_t nb = n / kQKK;
+  const BlockQ8_K* y0[NA];
+  for (int a = 0; a < NA; ++a) y0[a] = reinterpret_cast<const BlockQ8_K*>(act + a * act_stride);
+  __m256 acc[NA];
+  for (int a = 0; a < NA; ++a) acc[a] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    KOut o[8][NA];
+    alignas(16) uint16_t dw[8], dm[8];
+    for (int k = 0; k < 8; ++k) {
+      const BlockQ8_K* y[NA];
+      for (int a = 0; a < NA; ++a) y[a] = y0[a] + b + k;
+      Block::run(base + (b + k) * Block::kBytes, y, o[k], dw[k], dm[k]);
+    }
+    const __m256 fdw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dw)));
+    const __m256 fdm = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dm)));
+    for (int a = 0; a < NA; ++a) {
+      const BlockQ8_K* y = y0[a] + b;
+      const __m256 da = _mm256_setr_ps(y[0].d, y[1].d, y[2].d, y[3].d, y[4].d, y[5].d, y[6].d, y[7].d);
+      __m256i v[8];
+      for (int k = 0; k < 8; ++k) v[k] = o[k][a].vs;
+      acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(fdw, da), _mm256_cvtepi32_ps(reduce8(v))));
+      if constexpr (Block::kHasMin) {
+        for (int k = 0; k < 8; ++k) v[k] = o[k][a].vm;
+        acc[a] = _mm256_sub_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(fdm, da), _mm256_cvtepi32_ps(reduce8(v))));
+      }
+    }
+  }
+  alignas(32) float lanes[NA][8];
+  for (int a = 0; a < NA; ++a) _mm256_store_ps(lanes[a], acc[a]);
+  for (; b < nb; ++b) {
+    KOut o[NA];
+    uint16_t dw, dm;
+    const BlockQ8_K* y[NA];
+    for (int a = 0; a < NA; ++a) y[a] = y0[a] + b;
+    Block::run(base + b * Block::kBytes, y, o, dw, dm);
+    for (int a = 0; a < NA; ++a) {
+      lanes[a][b % 8] += h2f(dw) * y[a]->d * static_cast<float>(hsum_i32(o[a].vs));
+      if constexpr (Block::kHasMin) lanes[a][b % 8] -= h2f(dm) * y[a]->d * static_cast<float>(hsum_i32(o[a].vm));
+    }
+  }
+  for (int a = 0; a < NA; ++a) out[a * out_stride] = fold8(lanes[a]);
+}
+
+template <bool kFive, int NA>
+void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
+  drive_k<K4Block<kFive, NA>, NA>(w, act, act_stride, n, out, out_stride);
+}
+template <int NA>
+void dot_q6_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
+  drive_k<Q6Block<NA>, NA>(w, act, act_stride, n, out, out_stride);
 }
 
 float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) {
