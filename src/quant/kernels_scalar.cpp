@@ -135,13 +135,12 @@ float dot_q5_1_q8_1(const void* w, const void* a, int64_t n) {
   return fold8(lanes);
 }
 
-// K-quants: per super-block one integer for the scaled products and one for the min term; super-block
-// b adds (d_w·d_a)·isum and then subtracts (dmin_w·d_a)·imin on lane b % 8 (the SIMD kernels do the
-// same, AVX-512 eight super-blocks at a time).
+// K-quants: per super-block one integer for the scaled products and one for the min term, then
+// sumf += d·isum; sumf -= dmin·imin in this order (the SIMD kernels do the same).
 float dot_q2_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ2_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     int isum = 0, imin = 0;
     for (int nn = 0; nn < 2; ++nn)
@@ -154,16 +153,16 @@ float dot_q2_k_q8_k(const void* w, const void* a, int64_t n) {
           isum += (x[b].scales[g] & 0xF) * s;
           imin += (x[b].scales[g] >> 4) * y[b].bsums[g];
         }
-    lanes[b % 8] += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
-    lanes[b % 8] -= fp16(x[b].dmin) * y[b].d * static_cast<float>(imin);
+    sumf += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf -= fp16(x[b].dmin) * y[b].d * static_cast<float>(imin);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 float dot_q3_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ3_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     int isum = 0;
     for (int nn = 0; nn < 2; ++nn)
@@ -177,15 +176,15 @@ float dot_q3_k_q8_k(const void* w, const void* a, int64_t n) {
           }
           isum += scale_q3k(8 * nn + 2 * j + half, x[b].scales) * s;
         }
-    lanes[b % 8] += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ4_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     int isum = 0, imin = 0;
     for (int c = 0; c < 4; ++c) {
@@ -200,16 +199,16 @@ float dot_q4_k_q8_k(const void* w, const void* a, int64_t n) {
       isum += sc0 * s0 + sc1 * s1;
       imin += m0 * (y[b].bsums[4 * c] + y[b].bsums[4 * c + 1]) + m1 * (y[b].bsums[4 * c + 2] + y[b].bsums[4 * c + 3]);
     }
-    lanes[b % 8] += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
-    lanes[b % 8] -= fp16(x[b].dmin) * y[b].d * static_cast<float>(imin);
+    sumf += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf -= fp16(x[b].dmin) * y[b].d * static_cast<float>(imin);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 float dot_q5_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ5_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     int isum = 0, imin = 0;
     for (int c = 0; c < 4; ++c) {
@@ -226,16 +225,16 @@ float dot_q5_k_q8_k(const void* w, const void* a, int64_t n) {
       isum += sc0 * s0 + sc1 * s1;
       imin += m0 * (y[b].bsums[4 * c] + y[b].bsums[4 * c + 1]) + m1 * (y[b].bsums[4 * c + 2] + y[b].bsums[4 * c + 3]);
     }
-    lanes[b % 8] += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
-    lanes[b % 8] -= fp16(x[b].dmin) * y[b].d * static_cast<float>(imin);
+    sumf += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf -= fp16(x[b].dmin) * y[b].d * static_cast<float>(imin);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ6_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     int isum = 0;
     for (int nn = 0; nn < 2; ++nn) {
@@ -254,9 +253,9 @@ float dot_q6_k_q8_k(const void* w, const void* a, int64_t n) {
         isum += S[t] * s1 + S[t + 2] * s2 + S[t + 4] * s3 + S[t + 6] * s4;
       }
     }
-    lanes[b % 8] += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf += fp16(x[b].d) * y[b].d * static_cast<float>(isum);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 // ---- float dot products (F32/F16/BF16 weights in both modes, and the exact mode) ----------------

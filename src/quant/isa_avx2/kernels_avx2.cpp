@@ -236,7 +236,7 @@ float dot_q2_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ2_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
   const __m256i m3 = _mm256_set1_epi8(3);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x[b].scales));
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(0xF)));
@@ -255,10 +255,10 @@ float dot_q2_k_q8_k(const void* w, const void* a, int64_t n) {
     }
     int imin = hsum_i32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums)), mins));
     int isum = hsum_i32(acc);
-    lanes[b % 8] += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
-    lanes[b % 8] -= h2f(x[b].dmin) * y[b].d * static_cast<float>(imin);
+    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf -= h2f(x[b].dmin) * y[b].d * static_cast<float>(imin);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 // Q3_K: codes u = low2 + 4·hbit in 0..7 (q = u − 4); the −4 is taken out with the bsums.
@@ -266,7 +266,7 @@ float dot_q3_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ3_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
   const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-  float lanes[8] = {};
+  float sumf = 0;
   for (int64_t b = 0; b < n / kQKK; ++b) {
     alignas(32) int16_t sc[16];
     for (int i = 0; i < 16; ++i) sc[i] = static_cast<int16_t>(scale_q3k(i, x[b].scales));
@@ -287,9 +287,9 @@ float dot_q3_k_q8_k(const void* w, const void* a, int64_t n) {
     const __m256i s16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc));
     int ioff = 4 * hsum_i32(_mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[b].bsums)), s16));
     int isum = hsum_i32(acc) - ioff;
-    lanes[b % 8] += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
+    sumf += h2f(x[b].d) * y[b].d * static_cast<float>(isum);
   }
-  return fold8(lanes);
+  return sumf;
 }
 
 // ---- exact mode -------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, flo
   const uint8_t* base = static_cast<const uint8_t*>(w);
   const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
   const __m256i m4 = _mm256_set1_epi8(0xF), sixteen = _mm256_set1_epi8(16);
-  float lanes[NA][8] = {};
+  float sumf[NA] = {};
   for (int64_t b = 0; b < n / kQKK; ++b) {
     const uint8_t* blk = base + b * bytes;
     uint16_t d, dmin;
@@ -63,11 +63,11 @@ void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, flo
     for (int a = 0; a < NA; ++a) {
       int imin = hsum_i32(_mm256_madd_epi16(load256(y[a]->bsums), mv));
       int isum = hsum_i32(acc[a]);
-      lanes[a][b % 8] += fd * y[a]->d * static_cast<float>(isum);
-      lanes[a][b % 8] -= fm * y[a]->d * static_cast<float>(imin);
+      sumf[a] += fd * y[a]->d * static_cast<float>(isum);
+      sumf[a] -= fm * y[a]->d * static_cast<float>(imin);
     }
   }
-  for (int a = 0; a < NA; ++a) out[a * out_stride] = fold8(lanes[a]);
+  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
 }
 
 // Q6_K: codes 0..63 times activations, minus 32·bsum per group of 16, times the signed scales.
@@ -75,7 +75,7 @@ template <int NA>
 void dot_q6_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
   auto* x = static_cast<const BlockQ6_K*>(w);
   const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x30);
-  float lanes[NA][8] = {};
+  float sumf[NA] = {};
   for (int64_t b = 0; b < n / kQKK; ++b) {
     const BlockQ8_K* y[NA];
     __m256i acc[NA];
@@ -106,10 +106,10 @@ void dot_q6_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, f
     for (int a = 0; a < NA; ++a) {
       int ioff = hsum_i32(_mm256_madd_epi16(load256(y[a]->bsums), s16)) * 32;
       int isum = hsum_i32(acc[a]) - ioff;
-      lanes[a][b % 8] += fd * y[a]->d * static_cast<float>(isum);
+      sumf[a] += fd * y[a]->d * static_cast<float>(isum);
     }
   }
-  for (int a = 0; a < NA; ++a) out[a * out_stride] = fold8(lanes[a]);
+  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
 }
 
 template <int NA> struct Q4K { static void run(const void* w, const uint8_t* a, size_t s, int64_t n, float* o, int64_t os) { dot_k4<false, NA>(w, a, s, n, o, os); } };

@@ -191,8 +191,9 @@ float dot_q4_0_q8_0(const void* w, const void* a, int64_t n) {
 
 // K-quants: a per-super-block kernel leaves, for each activation row, 8 int32 lanes summing to the
 // scaled-product integer (vs) and 8 summing to the min-term integer (vm). The driver collects eight
-// super-blocks, transposes their lanes into one vector each (reduce8) and applies the float scales
-// on eight lanes at once: super-block b updates lane b % 8, as in the scalar kernel.
+// super-blocks and totals their lanes with one transposing reduction (reduce8) instead of eight
+// horizontal sums; the float steps then run in super-block order exactly as in the scalar kernel
+// (sumf += (d_w·d_a)·isum; sumf -= (dmin_w·d_a)·imin), which src/cpu's prefill kernel also follows.
 struct KOut {
   __m256i vs, vm;
 };
@@ -290,8 +291,7 @@ void drive_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, fl
   const int64_t nb = n / kQKK;
   const BlockQ8_K* y0[NA];
   for (int a = 0; a < NA; ++a) y0[a] = reinterpret_cast<const BlockQ8_K*>(act + a * act_stride);
-  __m256 acc[NA];
-  for (int a = 0; a < NA; ++a) acc[a] = _mm256_setzero_ps();
+  float sumf[NA] = {};
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
     KOut o[8][NA];
@@ -301,22 +301,25 @@ void drive_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, fl
       for (int a = 0; a < NA; ++a) y[a] = y0[a] + b + k;
       Block::run(base + (b + k) * Block::kBytes, y, o[k], dw[k], dm[k]);
     }
-    const __m256 fdw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dw)));
-    const __m256 fdm = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dm)));
+    alignas(32) float fdw[8], fdm[8];
+    _mm256_store_ps(fdw, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dw))));
+    _mm256_store_ps(fdm, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dm))));
     for (int a = 0; a < NA; ++a) {
       const BlockQ8_K* y = y0[a] + b;
-      const __m256 da = _mm256_setr_ps(y[0].d, y[1].d, y[2].d, y[3].d, y[4].d, y[5].d, y[6].d, y[7].d);
       __m256i v[8];
+      alignas(32) int32_t is[8], im[8];
       for (int k = 0; k < 8; ++k) v[k] = o[k][a].vs;
-      acc[a] = _mm256_add_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(fdw, da), _mm256_cvtepi32_ps(reduce8(v))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(is), reduce8(v));
       if constexpr (Block::kHasMin) {
         for (int k = 0; k < 8; ++k) v[k] = o[k][a].vm;
-        acc[a] = _mm256_sub_ps(acc[a], _mm256_mul_ps(_mm256_mul_ps(fdm, da), _mm256_cvtepi32_ps(reduce8(v))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(im), reduce8(v));
+      }
+      for (int k = 0; k < 8; ++k) {
+        sumf[a] += fdw[k] * y[k].d * static_cast<float>(is[k]);
+        if constexpr (Block::kHasMin) sumf[a] -= fdm[k] * y[k].d * static_cast<float>(im[k]);
       }
     }
   }
-  alignas(32) float lanes[NA][8];
-  for (int a = 0; a < NA; ++a) _mm256_store_ps(lanes[a], acc[a]);
   for (; b < nb; ++b) {
     KOut o[NA];
     uint16_t dw, dm;
@@ -324,11 +327,11 @@ void drive_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, fl
     for (int a = 0; a < NA; ++a) y[a] = y0[a] + b;
     Block::run(base + b * Block::kBytes, y, o, dw, dm);
     for (int a = 0; a < NA; ++a) {
-      lanes[a][b % 8] += h2f(dw) * y[a]->d * static_cast<float>(hsum_i32(o[a].vs));
-      if constexpr (Block::kHasMin) lanes[a][b % 8] -= h2f(dm) * y[a]->d * static_cast<float>(hsum_i32(o[a].vm));
+      sumf[a] += h2f(dw) * y[a]->d * static_cast<float>(hsum_i32(o[a].vs));
+      if constexpr (Block::kHasMin) sumf[a] -= h2f(dm) * y[a]->d * static_cast<float>(hsum_i32(o[a].vm));
     }
   }
-  for (int a = 0; a < NA; ++a) out[a * out_stride] = fold8(lanes[a]);
+  for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
 }
 
 template <bool kFive, int NA>
