@@ -136,7 +136,8 @@ float dot_q5_1_q8_1(const void* w, const void* a, int64_t n) {
 }
 
 // K-quants: per super-block one integer for the scaled products and one for the min term, then
-// sumf += d·isum; sumf -= dmin·imin in this order (the SIMD kernels do the same).
+// sumf += (d_w·d_a)·isum; sumf -= (dmin_w·d_a)·imin in super-block order. This order is a contract:
+// the SIMD kernels here and src/cpu's Q4_K prefill kernel reproduce it bit for bit.
 float dot_q2_k_q8_k(const void* w, const void* a, int64_t n) {
   auto* x = static_cast<const BlockQ2_K*>(w);
   auto* y = static_cast<const BlockQ8_K*>(a);
