@@ -164,7 +164,7 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
 }  // namespace moe::cuda::dev
 
 namespace moe::cuda::k {
-bool pdl_enabled();  // false when MOE_CUDA_PDL=0 (A/B measurements, a suspected driver problem)
+bool pdl_enabled();  // MOE_CUDA_PDL=1 (see gemv.cu)
 
 // Launches with the programmatic-stream-serialization attribute (see pdl_wait).
 template <typename... KArgs, typename... Args>

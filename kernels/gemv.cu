@@ -195,10 +195,13 @@ int g_sm_count = 0;
 
 }  // namespace
 
+// Off by default: on the H200 a benchmark that launched the expert gate/up kernel back to back with
+// the attribute stopped making progress (not understood yet), while the captured decode graph ran
+// and matched the CPU. MOE_CUDA_PDL=1 turns it on for measurements.
 bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MOE_CUDA_PDL");
-    return !(v && v[0] == '0');
+    return v && v[0] == '1';
   }();
   return on;
 }
