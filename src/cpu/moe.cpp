@@ -94,7 +94,12 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   // Router in FP32 activations (its weights are F32 in every stock file).
   const Proj pr{L.ffn_gate_inp.matrix(), s.router, X};
   project(s, &pr, 1, h, E, n, /*force_exact=*/true);
-  for (int64_t t = 0; t < n; ++t) route(s.router + t * X, X, K, s.sel_id + t * K, s.sel_w + t * K);
+  const auto route_token = [&](int64_t t, int) { route(s.router + t * X, X, K, s.sel_id + t * K, s.sel_w + t * K); };
+  if (n < 8) {
+    for (int64_t t = 0; t < n; ++t) route_token(t, 0);
+  } else {
+    s.parallel(n, route_token);
+  }
 
   lap(s, kRouter, tp);
 
