@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
   std::printf("model %s, %d threads, %s activations, ISA %s\n", path, g.threads,
               g.mode == moe::quant::ActMode::fast ? "fast (Q8)" : "exact (FP32)", moe::quant::isa_name());
 
-  benchmark::RegisterBenchmark("read_bandwidth", BM_ReadBandwidth)->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("read_bandwidth", BM_ReadBandwidth)->Iterations(10)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("lm_head_gemv", BM_HeadGemv)->Iterations(10)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("expert_gemm_quant", BM_ExpertGemm, false)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("expert_gemm_forward", BM_ExpertGemm, true)->Unit(benchmark::kMillisecond);
