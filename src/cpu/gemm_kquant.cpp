@@ -1,5 +1,5 @@
-// Prefill GEMM for Q4_K weights against Q8_K activations (AVX-512 VNNI): one weight row against
-// 16 activation rows at a time. The row's codes and scales are unpacked once per 16 tokens, the 16
+// Prefill GEMM for Q4_K and Q6_K weights against Q8_K activations (AVX-512 VNNI): one weight row
+// against 16 activation rows at a time. The row's codes and scales are unpacked once per 16 tokens, the 16
 // integer block sums come out of one transpose-reduce instead of 16 horizontal sums, and the block's
 // float scaling runs on 16 lanes. Every output is bit-identical to quant::dot_fast: the integer sums
 // are exact and the float operations per block are the same, in the same order, without contraction.
@@ -139,6 +139,69 @@ static bool cpu_has_f16c() {
   return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
 }
 
+constexpr size_t kQ6KBytes = 210;  // ql[128], qh[64], int8 scales[16], fp16 d
+
+// Q6_K: codes 0..63 (the -32 offset comes back through the bsums), one scale per 16 elements.
+MOE_AVX512 void q6k_row_x16(const uint8_t* row, const uint8_t* act, size_t stride, int64_t n_blocks, float* out,
+                            int64_t out_stride) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(0x30);
+  const __m512i gather_idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(static_cast<int>(stride)));
+  static constexpr int kOffAct[8][2] = {{0, 4}, {1, 5}, {2, 6}, {3, 7}, {8, 12}, {9, 13}, {10, 14}, {11, 15}};
+  __m512 sumf = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const uint8_t* blk = row + b * kQ6KBytes;
+    const uint8_t* ab = act + b * kQ8KBytes;
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    const __m512i s32 = _mm512_cvtepi8_epi32(s8);
+    const __m512i sp = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
+    uint16_t d;
+    std::memcpy(&d, blk + 208, 2);
+    __m512i acc[kTile];
+    for (int a = 0; a < kTile; ++a) acc[a] = _mm512_setzero_si512();
+    for (int nn = 0; nn < 2; ++nn) {
+      const __m512i L = _mm512_loadu_si512(blk + 64 * nn);
+      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * nn));
+      // Elements 0..63 of the half: low nibbles with qh bits 0-1 (first 32) and 2-3 (next 32);
+      // elements 64..127: high nibbles with qh bits 4-5 and 6-7.
+      const __m512i A = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                        _mm512_and_si512(join(_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2)), m3));
+      const __m512i B = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                        _mm512_and_si512(join(H, _mm256_srli_epi16(H, 2)), m3));
+      // Each 128-bit lane of A/B is one group of 16 with its own scale.
+      const int g = 8 * nn;
+      const __m512i ia = _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3,
+                                           g + 3, g + 3, g + 3);
+      const __m512i sa = _mm512_permutexvar_epi32(ia, sp);
+      const __m512i sb = _mm512_permutexvar_epi32(_mm512_add_epi32(ia, _mm512_set1_epi32(4)), sp);
+      const uint8_t* aq = ab + kQ8KQs + 128 * nn;
+      for (int a = 0; a < kTile; ++a) {
+        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(A, _mm512_loadu_si512(aq + a * stride)), sa);
+        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(B, _mm512_loadu_si512(aq + a * stride + 64)), sb);
+      }
+    }
+    const __m512i isum = reduce16(acc);
+    // 32 * Σ_g S_g * bsum_g per activation, for the -32 offset of every code.
+    const __m256i s16 = _mm256_cvtepi8_epi16(s8);
+    const __m512i ss = join(s16, s16);
+    __m512i z[8];
+    for (int k = 0; k < 8; ++k) {
+      const uint8_t* b0 = ab + kOffAct[k][0] * stride + kQ8KBsums;
+      const uint8_t* b1 = ab + kOffAct[k][1] * stride + kQ8KBsums;
+      z[k] = _mm512_madd_epi16(join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0)),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1))),
+                               ss);
+    }
+    const __m512i total = _mm512_sub_epi32(isum, _mm512_slli_epi32(reduce8x2(z), 5));
+    const __m512 yd = _mm512_i32gather_ps(gather_idx, ab, 1);
+    const __m512 fd = _mm512_set1_ps(_cvtsh_ss(d));
+    sumf = _mm512_add_ps(sumf, _mm512_mul_ps(_mm512_mul_ps(fd, yd), _mm512_cvtepi32_ps(total)));
+  }
+  alignas(64) float lanes[kTile];
+  _mm512_store_ps(lanes, sumf);
+  for (int a = 0; a < kTile; ++a) out[a * out_stride] = lanes[a];
+}
+
 bool detect() {
   const char* cap = std::getenv("MOE_ISA");
   if (cap && std::strncmp(cap, "avx512", 6) != 0) return false;
@@ -151,20 +214,23 @@ bool detect() {
 
 }  // namespace
 
-bool gemm_q4k_available() {
+bool gemm_kquant_available() {
   static const bool ok = detect();
   return ok;
 }
 
-void gemm_q4k_rows(const quant::Matrix& w, int64_t r0, int64_t r1, const uint8_t* acts, size_t act_stride,
-                   int64_t n_tok, float* y, int64_t y_stride) {
+void gemm_kquant_rows(const quant::Matrix& w, int64_t r0, int64_t r1, const uint8_t* acts, size_t act_stride,
+                      int64_t n_tok, float* y, int64_t y_stride) {
   const int64_t n_blocks = w.cols / 256;
-  const int64_t full = gemm_q4k_available() ? n_tok / kTile * kTile : 0;
+  const bool q6 = w.type == quant::Type::Q6_K;
+  const int64_t full =
+      gemm_kquant_available() && (q6 || w.type == quant::Type::Q4_K) ? n_tok / kTile * kTile : 0;
+  const auto kernel = q6 ? q6k_row_x16 : q4k_row_x16;
   // Token tile outer: its 16 activation rows (37 KiB for n_embd 2048) stay in L1/L2 while the task's
   // weight rows stream past them from L2.
   for (int64_t t = 0; t < full; t += kTile)
     for (int64_t r = r0; r < r1; ++r)
-      q4k_row_x16(w.row(r), acts + static_cast<size_t>(t) * act_stride, act_stride, n_blocks, y + t * y_stride + r,
+      kernel(w.row(r), acts + static_cast<size_t>(t) * act_stride, act_stride, n_blocks, y + t * y_stride + r,
                   y_stride);
   if (full < n_tok)
     quant::matmul_rows_fast(w, r0, r1, acts + static_cast<size_t>(full) * act_stride, act_stride, n_tok - full,
