@@ -27,6 +27,9 @@ namespace {
 #define MOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
 
 constexpr int kTile = 16;                    // activation rows per kernel call
+// Remainders of at least this many tokens run as an overlapping full tile: the tile kernels do a
+// token in about 0.6 of the time of quant's four-token path.
+constexpr int64_t kOverlapMin = 10;
 constexpr size_t kQ4KBytes = 144;            // d, dmin, scales[12], qs[128]
 constexpr size_t kQ8KBytes = 292;            // float d, qs[256], int16 bsums[16]
 constexpr size_t kQ8KQs = 4, kQ8KBsums = 260;
@@ -223,18 +226,25 @@ void gemm_kquant_rows(const quant::Matrix& w, int64_t r0, int64_t r1, const uint
                       int64_t n_tok, float* y, int64_t y_stride) {
   const int64_t n_blocks = w.cols / 256;
   const bool q6 = w.type == quant::Type::Q6_K;
-  const int64_t full =
-      gemm_kquant_available() && (q6 || w.type == quant::Type::Q4_K) ? n_tok / kTile * kTile : 0;
+  const bool usable = gemm_kquant_available() && (q6 || w.type == quant::Type::Q4_K) && n_tok >= kTile;
+  const int64_t full = usable ? n_tok / kTile * kTile : 0;
   const auto kernel = q6 ? q6k_row_x16 : q4k_row_x16;
+  const auto tile = [&](int64_t t) {
+    for (int64_t r = r0; r < r1; ++r)
+      kernel(w.row(r), acts + static_cast<size_t>(t) * act_stride, act_stride, n_blocks, y + t * y_stride + r, y_stride);
+  };
   // Token tile outer: its 16 activation rows (37 KiB for n_embd 2048) stay in L1/L2 while the task's
   // weight rows stream past them from L2.
-  for (int64_t t = 0; t < full; t += kTile)
-    for (int64_t r = r0; r < r1; ++r)
-      kernel(w.row(r), acts + static_cast<size_t>(t) * act_stride, act_stride, n_blocks, y + t * y_stride + r,
-                  y_stride);
-  if (full < n_tok)
-    quant::matmul_rows_fast(w, r0, r1, acts + static_cast<size_t>(full) * act_stride, act_stride, n_tok - full,
-                            y + full * y_stride, y_stride);
+  for (int64_t t = 0; t < full; t += kTile) tile(t);
+  if (full == n_tok) return;
+  if (usable && n_tok - full >= kOverlapMin) {
+    // A last tile that overlaps the previous one costs less than the remainder through quant; the
+    // overlapping outputs are rewritten with the same bits.
+    tile(n_tok - kTile);
+    return;
+  }
+  quant::matmul_rows_fast(w, r0, r1, acts + static_cast<size_t>(full) * act_stride, act_stride, n_tok - full,
+                          y + full * y_stride, y_stride);
 }
 
 }  // namespace moe::cpu

@@ -67,6 +67,7 @@ TEST_P(CpuGemm, MatchesDotFastBitForBit) {
   check(make(t, 13, 768, 35, 3.f, 2), 2, 11);   // two tiles and a remainder of 3 tokens
   check(make(t, 5, 256, 48, 100.f, 3), 0, 5);   // one block per row, large activations
   check(make(t, 6, 2048, 7, 1.f, 4), 1, 6);     // fewer tokens than a tile: all through quant
+  check(make(t, 7, 512, 29, 1.f, 6), 0, 7);     // a remainder of 13: an overlapping last tile
 }
 
 TEST_P(CpuGemm, DispatchMatchesQuant) {
