@@ -62,7 +62,10 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-std::string temp_path(const std::string& name) { return testing::TempDir() + "/moe_cli_" + name; }
+// Unique per process: ctest may run several of these tests at once.
+std::string temp_path(const std::string& name) {
+  return testing::TempDir() + "/moe_cli_" + std::to_string(getpid()) + "_" + name;
+}
 
 // Runs argv with extra environment entries; stdout/stderr captured through files.
 Proc run(std::vector<std::string> args, std::map<std::string, std::string> env = {}, const std::string& stdin_path = "/dev/null") {

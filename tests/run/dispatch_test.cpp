@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <unistd.h>
 #include <sstream>
 
 #include "../cli/mini_json.hpp"
@@ -351,7 +352,7 @@ TEST(Generate, DumpLogitsRowsAreEveryEvaluatedPosition) {
   c.backend = run::Requested::cpu;
   c.prompt_tokens = golden_prompt("ids_len007");
   c.max_tokens = 6;
-  c.dump_logits = testing::TempDir() + "/moe_dump.npy";
+  c.dump_logits = testing::TempDir() + "/moe_dump_" + std::to_string(getpid()) + ".npy";
   const Result r = generate(c, Backends{});
   int64_t rows = 0, cols = 0;
   const auto v = read_npy(c.dump_logits, rows, cols);
@@ -425,7 +426,7 @@ namespace {
 
 // A copy of the tiny model whose final norm weights are NaN: every logit is NaN.
 std::string nan_model() {
-  const std::string path = testing::TempDir() + "/moe_nan_model.gguf";
+  const std::string path = testing::TempDir() + "/moe_nan_model_" + std::to_string(getpid()) + ".gguf";
   std::vector<char> bytes;
   {
     std::ifstream f(kModel, std::ios::binary);
