@@ -44,7 +44,8 @@ struct RunResult {
 inline RunResult run_synth(const std::string& args) {
   static int n = 0;
   const fs::path err = tmp_dir() / ("stderr-" + std::to_string(n++) + ".txt");
-  const std::string cmd = "'" + bin() + "' " + args + " >/dev/null 2>'" + err.string() + "'";
+  std::string cmd;  // built by appending: GCC 12 warns falsely (-Wrestrict) on "'" + std::string
+  cmd.append("'").append(bin()).append("' ").append(args).append(" >/dev/null 2>'").append(err.string()).append("'");
   const int st = std::system(cmd.c_str());
   RunResult r;
   r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);

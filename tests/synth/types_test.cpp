@@ -34,7 +34,9 @@ TEST(SynthTypes, TinyQ4KMMatchesLlamaQuantize) {
       EXPECT_EQ(t->n_dims, r.n_dims) << r.name;
       EXPECT_EQ(t->ne[0], r.ne[0]) << r.name;
       // The vocabulary dimension differs: moe-synth also appends <think> and </think>.
-      if (r.name != "token_embd.weight" && r.name != "output.weight") EXPECT_EQ(t->ne, r.ne) << r.name;
+      if (r.name != "token_embd.weight" && r.name != "output.weight") {
+        EXPECT_EQ(t->ne, r.ne) << r.name;
+      }
     }
   }
 }
@@ -138,7 +140,7 @@ TEST(SynthTypes, Overrides) {
 
 TEST(SynthTypes, BadFlagsAreUsageErrors) {
   const std::string out = "-o '" + (tmp_dir() / "bad.gguf").string() + "' ";
-  for (const std::string args :
+  for (const std::string& args :
        {std::string("--type q3_k_s"), std::string("--experts 4 --experts-used 5"), std::string("--heads 3 --kv-heads 2"),
         std::string("--type-override attn_q"), std::string("--type-override attn_q=q9_9"),
         std::string("--type-override 'attn_q=q4_k' --embd 320 --head-dim 80"), std::string("--layers 0"),

@@ -87,7 +87,20 @@ extern const char* const kChatTemplate;
 
 // ---- weights --------------------------------------------------------------------------------------
 // Fills one row (row index over ne[1]*ne[2]*ne[3]) of a tensor with its deterministic values.
+// Used for the tensors that are not pooled (below).
 void generate_row(const Geometry& g, const TensorPlan& t, uint64_t seed, int64_t row, float* dst);
+
+// Pooled tensors: the big matrices whose rows share one scale (embedding, attention, experts) are
+// built from 256-element chunks drawn from a seeded pool of N(0,1) chunks, times the tensor's scale.
+// Each pool chunk is quantized once per (type, scale) and copied, so writing a 30B-parameter
+// model costs a copy per chunk instead of a quantizer run per element.
+constexpr int64_t kPoolChunk = 256;
+bool is_pooled(const Geometry& g, const TensorPlan& t);
+float pooled_scale(const Geometry& g, const TensorPlan& t);
+// The unit-normal pool: n_chunks * kPoolChunk floats.
+std::vector<float> make_unit_pool(uint64_t seed, int64_t n_chunks);
+// Pool chunk indices of a row's ne[0] / kPoolChunk chunks.
+void pooled_row(uint64_t seed, const TensorPlan& t, int64_t row, int64_t n_pool, uint32_t* chunks);
 
 // ---- writing --------------------------------------------------------------------------------------
 struct WriteOptions {

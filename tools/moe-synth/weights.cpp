@@ -54,6 +54,50 @@ void fill_normal(Rng& r, float* dst, int64_t n, float mean, float stddev) {
 
 }  // namespace
 
+bool is_pooled(const Geometry& g, const TensorPlan& t) {
+  if (t.ne[0] % kPoolChunk != 0) return false;
+  switch (t.role) {
+    case Role::token_embd:
+      return !g.tied;  // tied rows carry a per-token scale
+    case Role::attn_q:
+    case Role::attn_k:
+    case Role::attn_v:
+    case Role::attn_output:
+    case Role::expert_gate:
+    case Role::expert_up:
+    case Role::expert_down:
+      return true;
+    default:
+      return false;
+  }
+}
+
+float pooled_scale(const Geometry& g, const TensorPlan& t) {
+  switch (t.role) {
+    case Role::token_embd: return 1.f;
+    case Role::attn_output: return 0.7f / std::sqrt(static_cast<float>(t.ne[0]));
+    case Role::expert_down: return 0.6f / std::sqrt(static_cast<float>(t.ne[0]));
+    default: return 1.0f / std::sqrt(static_cast<float>(g.n_embd));
+  }
+}
+
+std::vector<float> make_unit_pool(uint64_t seed, int64_t n_chunks) {
+  std::vector<float> pool(static_cast<size_t>(n_chunks * kPoolChunk));
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    Rng r = row_rng(seed, "<pool>", c, 2);
+    fill_normal(r, pool.data() + c * kPoolChunk, kPoolChunk, 0.f, 1.f);
+  }
+  return pool;
+}
+
+void pooled_row(uint64_t seed, const TensorPlan& t, int64_t row, int64_t n_pool, uint32_t* chunks) {
+  Rng r = row_rng(seed, t.name, row, 3);
+  const int64_t n = t.ne[0] / kPoolChunk;
+  // Multiply-shift maps 32 random bits onto [0, n_pool) without a division.
+  for (int64_t j = 0; j < n; ++j)
+    chunks[j] = static_cast<uint32_t>(((r.next() >> 32) * static_cast<uint64_t>(n_pool)) >> 32);
+}
+
 void generate_row(const Geometry& g, const TensorPlan& t, uint64_t seed, int64_t row, float* dst) {
   Rng r = row_rng(seed, t.name, row, 0);
   const int64_t n = t.ne[0];
@@ -81,21 +125,11 @@ void generate_row(const Geometry& g, const TensorPlan& t, uint64_t seed, int64_t
     case Role::qk_norm:
       fill_normal(r, dst, n, 1.f, 0.1f);
       break;
-    case Role::attn_q:
-    case Role::attn_k:
-    case Role::attn_v:
-    case Role::expert_gate:
-    case Role::expert_up:
-      fill_normal(r, dst, n, 0.f, inv_sqrt_embd);
-      break;
-    case Role::attn_output:
-      fill_normal(r, dst, n, 0.f, 0.7f / std::sqrt(static_cast<float>(t.ne[0])));
-      break;
-    case Role::expert_down:
-      fill_normal(r, dst, n, 0.f, 0.6f / std::sqrt(static_cast<float>(t.ne[0])));
-      break;
     case Role::router:
       fill_normal(r, dst, n, 0.f, 3.f * inv_sqrt_embd * lognormal(seed, t.name, row, 0.3f));
+      break;
+    default:  // the pooled roles, for rows that are not whole pool chunks
+      fill_normal(r, dst, n, 0.f, pooled_scale(g, t));
       break;
   }
 }

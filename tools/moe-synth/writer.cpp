@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -126,6 +127,85 @@ struct Chunk {
   int64_t row0, row1;
 };
 
+// Writes one row of n floats as `type`.
+void encode_row(Type type, const float* src, uint8_t* dst, int64_t n) {
+  if (type == Type::F32)
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+  else
+    moe::quant::quantize_row(type, src, dst, n);
+}
+
+// fn(task) for every task in [0, n) on `threads` threads; the first exception is rethrown.
+template <typename Fn>
+void parallel_for(int64_t n, int threads, Fn fn) {
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex mu;
+  auto work = [&] {
+    try {
+      for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+      next = n;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// The encoded chunk pools of the pooled tensors, one per (type, scale).
+struct Pools {
+  int64_t n_chunks = 0;
+  std::map<std::pair<uint32_t, float>, std::vector<uint8_t>> by_key;
+  std::vector<const uint8_t*> of_tensor;  // per tensor; nullptr when not pooled
+};
+
+Pools build_pools(const Geometry& g, const std::vector<TensorPlan>& tensors, uint64_t seed, int threads) {
+  // Enough chunks that small models hardly repeat one, capped so the pools stay a few MB each.
+  constexpr int64_t kMaxPoolChunks = 32768;
+  Pools p;
+  // The pool size depends on the geometry only, so files of different types hold the same values.
+  std::map<std::pair<uint32_t, float>, int64_t> slots;
+  int64_t total = 0;
+  for (const auto& t : tensors)
+    if (is_pooled(g, t)) {
+      slots[{static_cast<uint32_t>(t.type), pooled_scale(g, t)}] += 1;
+      total += t.rows() * (t.ne[0] / kPoolChunk);
+    }
+  p.n_chunks = std::min(total, kMaxPoolChunks);
+  p.of_tensor.assign(tensors.size(), nullptr);
+  if (slots.empty()) return p;
+  const std::vector<float> unit = make_unit_pool(seed, p.n_chunks);
+  std::vector<std::pair<std::pair<uint32_t, float>, std::vector<uint8_t>*>> keys;
+  for (const auto& [k, n] : slots) {
+    auto& buf = p.by_key[k];
+    buf.resize(moe::gguf::row_bytes(static_cast<Type>(k.first), kPoolChunk) * static_cast<size_t>(p.n_chunks));
+    keys.emplace_back(k, &buf);
+  }
+  constexpr int64_t kPerTask = 256;
+  const int64_t per_key = (p.n_chunks + kPerTask - 1) / kPerTask;
+  parallel_for(static_cast<int64_t>(keys.size()) * per_key, threads, [&](int64_t task) {
+    const auto& [key, buf] = keys[static_cast<size_t>(task / per_key)];
+    const Type type = static_cast<Type>(key.first);
+    const size_t cb = moe::gguf::row_bytes(type, kPoolChunk);
+    float scaled[kPoolChunk];
+    const int64_t c0 = (task % per_key) * kPerTask, c1 = std::min(p.n_chunks, c0 + kPerTask);
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t i = 0; i < kPoolChunk; ++i) scaled[i] = unit[static_cast<size_t>(c * kPoolChunk + i)] * key.second;
+      encode_row(type, scaled, buf->data() + cb * static_cast<size_t>(c), kPoolChunk);
+    }
+  });
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (is_pooled(g, tensors[i]))
+      p.of_tensor[i] =
+          p.by_key.at({static_cast<uint32_t>(tensors[i].type), pooled_scale(g, tensors[i])}).data();
+  return p;
+}
+
 void print_progress(uint64_t done, uint64_t total, double secs, bool final) {
   const double frac = total ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
   constexpr int kWidth = 30;
@@ -184,6 +264,8 @@ WriteStats write_model(const Geometry& g, const Vocab& v, std::vector<TensorPlan
   pwrite_all(fd, head.b.data(), head.b.size(), 0, tmp);
   head.b = {};
 
+  const Pools pools = build_pools(g, tensors, opt.seed, std::max(1, opt.threads));
+
   // Chunks of about 4 MiB of output, in file order so the disk sees a mostly sequential stream.
   constexpr uint64_t kChunkBytes = 4u << 20;
   std::vector<Chunk> chunks;
@@ -202,6 +284,7 @@ WriteStats write_model(const Geometry& g, const Vocab& v, std::vector<TensorPlan
   auto worker = [&] {
     std::vector<float> row;
     std::vector<uint8_t> out;
+    std::vector<uint32_t> picks;
     try {
       for (size_t c; !failed.load(std::memory_order_relaxed) && (c = next.fetch_add(1)) < chunks.size();) {
         const Chunk& ch = chunks[c];
@@ -209,13 +292,19 @@ WriteStats write_model(const Geometry& g, const Vocab& v, std::vector<TensorPlan
         const size_t rb = moe::gguf::row_bytes(t.type, t.ne[0]);
         row.resize(static_cast<size_t>(t.ne[0]));
         out.resize(rb * static_cast<size_t>(ch.row1 - ch.row0));
+        const uint8_t* pool = pools.of_tensor[ch.tensor];
+        const size_t cb = pool ? moe::gguf::row_bytes(t.type, kPoolChunk) : 0;
+        picks.resize(static_cast<size_t>(t.ne[0] / kPoolChunk));
         for (int64_t r = ch.row0; r < ch.row1; ++r) {
           uint8_t* dst = out.data() + rb * static_cast<size_t>(r - ch.row0);
-          generate_row(g, t, opt.seed, r, row.data());
-          if (t.type == Type::F32)
-            std::memcpy(dst, row.data(), rb);
-          else
-            moe::quant::quantize_row(t.type, row.data(), dst, t.ne[0]);
+          if (pool) {
+            pooled_row(opt.seed, t, r, pools.n_chunks, picks.data());
+            for (size_t j = 0; j < picks.size(); ++j)
+              std::memcpy(dst + j * cb, pool + cb * picks[j], cb);
+          } else {
+            generate_row(g, t, opt.seed, r, row.data());
+            encode_row(t.type, row.data(), dst, t.ne[0]);
+          }
         }
         pwrite_all(fd, out.data(), out.size(), data_start + t.offset + rb * static_cast<uint64_t>(ch.row0), tmp);
         done.fetch_add(out.size(), std::memory_order_relaxed);
