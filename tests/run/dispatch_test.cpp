@@ -465,3 +465,68 @@ TEST(Generate, NonFiniteCpuLogitsAreAnInferenceError) {
 }
 
 }  // namespace
+
+namespace {
+
+// Wraps a forward and, once `from` positions are in its cache, makes `boost` the clear argmax.
+class Boosting : public Forward {
+ public:
+  Boosting(std::unique_ptr<Forward> in, int64_t from, int32_t boost) : in_(std::move(in)), from_(from), boost_(boost) {}
+  void eval(std::span<const int32_t> t, bool all, std::vector<float>& l) override {
+    in_->eval(t, all, l);
+    if (in_->n_past() >= from_) l[l.size() - static_cast<size_t>(in_->n_vocab()) + static_cast<size_t>(boost_)] = 1e4f;
+  }
+  int64_t n_past() const override { return in_->n_past(); }
+  int64_t n_ctx() const override { return in_->n_ctx(); }
+  int64_t n_vocab() const override { return in_->n_vocab(); }
+  void reset() override { in_->reset(); }
+  std::string name() const override { return "cuda"; }
+
+ private:
+  std::unique_ptr<Forward> in_;
+  int64_t from_;
+  int32_t boost_;
+};
+
+TEST(Generate, EndOfGenerationTokenStopsAndIsNotPrinted) {
+  auto c = base_config();
+  const int64_t n_prompt = static_cast<int64_t>(c.prompt_tokens->size());
+  Backends b;
+  b.skip_guard = true;
+  b.gpu = [n_prompt](std::shared_ptr<const model::OwnedQuantizedModel> m, const run::GpuRequest& r, run::GpuInfo&) {
+    cpu::Options o;
+    o.n_ctx = r.n_ctx;
+    o.pool = r.pool;
+    // <|im_end|> (id 4098, an end-of-generation token of the fixture) wins the third step.
+    return std::unique_ptr<Forward>(std::make_unique<Boosting>(cpu::make_forward(std::move(m), o), n_prompt + 2, 4098));
+  };
+  const Result r = generate(c, b);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto toks = r.j["tokens"].ints();
+  ASSERT_EQ(toks.size(), 3u);
+  EXPECT_EQ(toks[2], 4098);
+  EXPECT_EQ(r.j["finish_reason"].s, "stop");
+  auto two = base_config();
+  two.max_tokens = 2;
+  const Result ref = cpu_reference(two);
+  EXPECT_EQ(std::vector<int64_t>(toks.begin(), toks.begin() + 2), ref.j["tokens"].ints());
+  EXPECT_EQ(r.j["text"].s, ref.j["text"].s);  // the end token adds no text
+  EXPECT_EQ(r.j["text"].s.find("<|im_end|>"), std::string::npos);
+}
+
+TEST(Dispatch, FallbackKeepsTheSamplerState) {
+  // Sampling with a seed: the CPU must continue the GPU's RNG stream, not restart it.
+  auto c = base_config();
+  c.max_tokens = 16;
+  c.sampler.temperature = 1.2f;
+  c.sampler.seed = 7;
+  const Result ref = cpu_reference(c);
+  const Result r = generate(c, fake(run::Fault::gpu_kernel));
+  ASSERT_EQ(r.count(kFallback), 1) << r.err;
+  EXPECT_EQ(r.j["tokens"].ints(), ref.j["tokens"].ints());
+  auto other = c;
+  other.sampler.seed = 8;
+  EXPECT_NE(cpu_reference(other).j["tokens"].ints(), ref.j["tokens"].ints());  // the seed matters here
+}
+
+}  // namespace
