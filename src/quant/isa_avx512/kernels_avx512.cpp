@@ -58,6 +58,23 @@ inline void unpack_k4(const uint8_t* b, uint64_t& sc8, uint64_t& m8) {
   m8 = m_lo | (static_cast<uint64_t>(m_hi) << 32);
 }
 
+// The same unpacking in vector registers (a GPR round trip per super-block costs ~30% of the Q4_K
+// dot): bytes 0..7 of the result are the scales, bytes 8..15 the mins. Reads 16 bytes at `b`
+// (the 12 scale bytes and the first 4 code bytes, inside the block).
+inline __m128i unpack_k4_vec(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i lo6 = _mm_and_si128(v, _mm_set1_epi8(0x3F));                          // s_lo, m_lo
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(v, 2), _mm_set1_epi8(0x30));        // top bits of u0, u1
+  const __m128i u2 = _mm_shuffle_epi32(v, 0xAA);                                        // u2 everywhere
+  const __m128i nib = _mm_and_si128(_mm_srlv_epi32(u2, _mm_setr_epi32(0, 4, 0, 0)), _mm_set1_epi8(0x0F));
+  return _mm_unpacklo_epi32(lo6, _mm_or_si128(nib, top));  // [s_lo, s_hi, m_lo, m_hi]
+}
+
+inline __m512i pairs16v(__m128i bytes8) {
+  __m512i v = _mm512_cvtepu8_epi32(bytes8);
+  return _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+}
+
 // 8 byte values -> 16 int32 lanes holding (v, v) as two int16, for a 16-bit multiply-add against
 // pairs; lanes 0..7 repeat nothing (callers permute what they need).
 inline __m512i pairs16(uint64_t bytes8) {
@@ -207,33 +224,42 @@ struct K4Block {
   static constexpr size_t kBytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
   static constexpr bool kHasMin = true;
   static void run(const uint8_t* blk, const BlockQ8_K* const* y, KOut* out, uint16_t& d, uint16_t& dmin) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     std::memcpy(&d, blk, 2);
     std::memcpy(&dmin, blk + 2, 2);
-    uint64_t sc8, m8;
-    unpack_k4(blk + 4, sc8, m8);
+    const __m128i scm = unpack_k4_vec(blk + 4);
     const uint8_t* qs = blk + (kFive ? 48 : 16);
-    const __m512i scp = pairs16(sc8);
+    // The eight scales as int16 in every 128-bit lane; a byte shuffle per chunk then spreads
+    // sc_2c over the first half of the zmm and sc_2c+1 over the second (in-lane, one cycle).
+    const __m512i sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(scm));
     __m512i acc[NA];
     for (int a = 0; a < NA; ++a) acc[a] = _mm512_setzero_si512();
     const __m256i hbits = kFive ? load256(blk + 16) : _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256i q = load256(qs + 32 * c);
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      if constexpr (kFive) {
-        // Bit 2c of qh[l] is the fifth bit of the low-nibble element, bit 2c+1 of the high one.
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16)));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16)));
+    const __m512i m4z = _mm512_set1_epi8(0xF);
+    for (int h = 0; h < 2; ++h) {
+      // 64 code bytes = chunks 2h and 2h+1; each chunk's zmm of codes is [low nibbles | high nibbles]
+      // of its 32 bytes, gathered with one two-source qword permute.
+      const __m512i q = _mm512_loadu_si512(qs + 64 * h);
+      const __m512i lo = _mm512_and_si512(q, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4z);
+      __m512i codes[2] = {_mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11), hi),
+                          _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15), hi)};
+      for (int k = 0; k < 2; ++k) {
+        const int c = 2 * h + k;
+        if constexpr (kFive) {
+          // Bit 2c of qh[l] is the fifth bit of the low-nibble element, bit 2c+1 of the high one.
+          __m256i b0 = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16));
+          __m256i b1 = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16));
+          codes[k] = _mm512_or_si512(codes[k], join(b0, b1));
+        }
+        const int16_t e0 = static_cast<int16_t>((4 * c) | ((4 * c + 1) << 8));
+        const int16_t e1 = static_cast<int16_t>((4 * c + 2) | ((4 * c + 3) << 8));
+        const __m512i sel = _mm512_inserti64x4(_mm512_set1_epi16(e0), _mm256_set1_epi16(e1), 1);
+        const __m512i sv = _mm512_shuffle_epi8(sc16, sel);
+        for (int a = 0; a < NA; ++a)
+          acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(codes[k], _mm512_loadu_si512(y[a]->qs + 64 * c)), sv);
       }
-      const __m512i codes = join(lo, hi);
-      const __m512i idx = _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                           2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c);
-      const __m512i sv = _mm512_permutexvar_epi32(idx, scp);
-      for (int a = 0; a < NA; ++a)
-        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_maddubs_epi16(codes, _mm512_loadu_si512(y[a]->qs + 64 * c)), sv);
     }
     // Σ_s m_s·(bsum_2s + bsum_2s+1): one 16-bit multiply-add of the bsums against (m_s, m_s) pairs.
-    const __m256i mp = _mm512_castsi512_si256(pairs16(m8));
+    const __m256i mp = _mm512_castsi512_si256(pairs16v(_mm_srli_si128(scm, 8)));
     for (int a = 0; a < NA; ++a) {
       out[a].vs = fold256(acc[a]);
       out[a].vm = _mm256_madd_epi16(load256(y[a]->bsums), mp);
@@ -411,9 +437,22 @@ float exact_q8_0(const void* w, const float* x, int64_t n) {
 }
 
 // 32 unsigned codes against 32 floats: y = dl·q − ml.
-inline void fma_affine32(__m256i q, __m512 dl, __m512 ml, const float* x, __m512& acc0, __m512& acc1) {
-  acc0 = _mm512_fmadd_ps(_mm512_fmsub_ps(dl, u8x16_ps(_mm256_castsi256_si128(q)), ml), _mm512_loadu_ps(x), acc0);
-  acc1 = _mm512_fmadd_ps(_mm512_fmsub_ps(dl, u8x16_ps(_mm256_extracti128_si256(q, 1)), ml), _mm512_loadu_ps(x + 16), acc1);
+// The 16 (Q4_K) or 32 (Q5_K) possible weights of a sub-block, dl·q − ml, are computed once into
+// registers and the codes index them (vpermps / vpermt2ps) instead of being converted one by one.
+template <bool kFive>
+inline void lut_affine32(__m256i q, __m512 t0, __m512 t1, const float* x, __m512& acc0, __m512& acc1) {
+  const __m512i i0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q));
+  const __m512i i1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1));
+  __m512 w0, w1;
+  if constexpr (kFive) {
+    w0 = _mm512_permutex2var_ps(t0, i0, t1);
+    w1 = _mm512_permutex2var_ps(t0, i1, t1);
+  } else {
+    w0 = _mm512_permutexvar_ps(i0, t0);
+    w1 = _mm512_permutexvar_ps(i1, t0);
+  }
+  acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc0);
+  acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc1);
 }
 
 template <bool kFive>
@@ -421,6 +460,8 @@ float exact_k4(const void* w, const float* x, int64_t n) {
   const uint8_t* base = static_cast<const uint8_t*>(w);
   const size_t bytes = kFive ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
   const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m512 iota0 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 iota1 = _mm512_add_ps(iota0, _mm512_set1_ps(16.f));
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t b = 0; b < n / kQKK; ++b, x += kQKK) {
     const uint8_t* blk = base + b * bytes;
@@ -442,8 +483,13 @@ float exact_k4(const void* w, const float* x, int64_t n) {
         lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c), 4), _mm256_set1_epi8(16)));
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * c + 1), 4), _mm256_set1_epi8(16)));
       }
-      fma_affine32(lo, _mm512_set1_ps(dl[2 * c]), _mm512_set1_ps(ml[2 * c]), x + 64 * c, acc0, acc1);
-      fma_affine32(hi, _mm512_set1_ps(dl[2 * c + 1]), _mm512_set1_ps(ml[2 * c + 1]), x + 64 * c + 32, acc0, acc1);
+      const __m512 d0 = _mm512_set1_ps(dl[2 * c]), m0 = _mm512_set1_ps(ml[2 * c]);
+      const __m512 d1 = _mm512_set1_ps(dl[2 * c + 1]), m1 = _mm512_set1_ps(ml[2 * c + 1]);
+      const __m512 t00 = _mm512_fmsub_ps(d0, iota0, m0), t10 = _mm512_fmsub_ps(d1, iota0, m1);
+      const __m512 t01 = kFive ? _mm512_fmsub_ps(d0, iota1, m0) : t00;
+      const __m512 t11 = kFive ? _mm512_fmsub_ps(d1, iota1, m1) : t10;
+      lut_affine32<kFive>(lo, t00, t01, x + 64 * c, acc0, acc1);
+      lut_affine32<kFive>(hi, t10, t11, x + 64 * c + 32, acc0, acc1);
     }
   }
   return hsum_ps(_mm512_add_ps(acc0, acc1));
