@@ -38,10 +38,17 @@ std::string read_input(const std::string& path) {
   return s;
 }
 
-constexpr const char* kFooter = R"(Environment:
+constexpr const char* kFooter = R"(Sampling order: repeat penalty -> (greedy if T = 0 or K = 1: argmax, lowest id on ties)
+  -> temperature -> top-k -> top-p -> min-p -> draw. The draw uses std::mt19937 seeded with --seed
+  and std::uniform_real_distribution<double>: the same seed and flags give the same tokens on the
+  same backend; greedy never touches the RNG.
+Environment:
   SKIP_PARITY_GATE=1   skip the F2 guard (a line says nothing was compared)
-  MOE_FAULT=gpu-init|gpu-nan|gpu-perturb|gpu-kernel
-                       make the GPU path fail that way (tests of the fallback)
+  MOE_FAULT=...        make the GPU path fail, to test the CPU fallback (--gpu: exit 14):
+      gpu-init           CUDA initialization fails
+      gpu-nan            every GPU logits row carries a NaN (the guard rejects it)
+      gpu-perturb        GPU logits become noise of the same scale (the guard rejects it)
+      gpu-kernel         a kernel fails mid-generation, after the guard accepted
   MOE_FAKE_GPU=1       (tests) a fast-mode CPU forward poses as the GPU
   MOE_ISA=scalar|avx2|avx512  cap the CPU SIMD level
 Exit codes: 0 ok, 1 other, 2 usage, 3 model not found/unreadable, 4 not GGUF/corrupt,
@@ -94,42 +101,42 @@ std::optional<int> parse(int argc, const char* const* argv, Request& req, std::o
   bool chat = false, raw = false, no_gpu = false, gpu = false, json = false, stream = false, version = false;
   bool inspect = false, tokenize = false;
 
-  app.add_option("MODEL", c.model_path, "GGUF model file");
+  app.add_option("MODEL", c.model_path, "GGUF model file")->type_name("MODEL.gguf");
   app.add_option("PROMPT", prompt_pos, "prompt text (or use -p / -i)");
   // Input
   app.add_option("-p,--prompt", prompt_flag, "the prompt text");
-  app.add_option("-i,--input", input, "read the prompt from FILE (- = stdin)");
-  app.add_option("--prompt-tokens", prompt_tokens, "feed these token ids (ID,ID,...): no template, no BOS");
+  app.add_option("-i,--input", input, "read the prompt from FILE (- = stdin)")->type_name("FILE");
+  app.add_option("--prompt-tokens", prompt_tokens, "feed these token ids (ID,ID,...): no template, no BOS")->type_name("ID,ID,...");
   app.add_flag("--chat", chat, "force the chat template");
   app.add_flag("--raw", raw, "never apply the chat template");
   app.add_option("--system", c.system, "system message (with the chat template)");
-  app.add_option("--thinking", thinking, "Qwen3 thinking mode: on|off (default off)");
+  app.add_option("--thinking", thinking, "Qwen3 thinking mode: on|off (default off)")->type_name("on|off");
   // Generation
-  app.add_option("-n,--max-tokens", n_s, "tokens to generate (default 32; 0 = evaluate the prompt only)");
-  app.add_option("--temperature", temp_s, "sampling temperature (default 0 = greedy)");
-  app.add_option("--top-k", topk_s, "top-k (default 40 when T > 0; 1 = greedy, 0 = off)");
-  app.add_option("--top-p", topp_s, "nucleus sampling p in [0, 1] (default 1 = off)");
-  app.add_option("--min-p", minp_s, "min-p in [0, 1] (default 0 = off)");
-  app.add_option("--repeat-penalty", rp_s, "repeat penalty (default 1 = off)");
-  app.add_option("--repeat-last-n", rln_s, "window of the repeat penalty (default 64, prompt included)");
-  app.add_option("--seed", seed_s, "RNG seed, 0..4294967295 (default 299792458; std::mt19937)");
-  app.add_option("--ctx-size", ctx_s, "KV-cache length (default prompt + max-tokens)");
+  app.add_option("-n,--max-tokens", n_s, "tokens to generate (default 32; 0 = evaluate the prompt only)")->type_name("N");
+  app.add_option("--temperature", temp_s, "sampling temperature (default 0 = greedy)")->type_name("T");
+  app.add_option("--top-k", topk_s, "top-k (default 40 when T > 0; 1 = greedy, 0 = off)")->type_name("K");
+  app.add_option("--top-p", topp_s, "nucleus sampling p in [0, 1] (default 1 = off)")->type_name("P");
+  app.add_option("--min-p", minp_s, "min-p in [0, 1] (default 0 = off)")->type_name("P");
+  app.add_option("--repeat-penalty", rp_s, "repeat penalty (default 1 = off)")->type_name("R");
+  app.add_option("--repeat-last-n", rln_s, "window of the repeat penalty (default 64, prompt included)")->type_name("N");
+  app.add_option("--seed", seed_s, "RNG seed, 0..4294967295 (default 299792458; std::mt19937)")->type_name("S");
+  app.add_option("--ctx-size", ctx_s, "KV-cache length (default prompt + max-tokens)")->type_name("N");
   app.add_option("--stop", c.stops, "extra stop string (repeatable)")->allow_extra_args(false);
   // Backend
   app.add_flag("--no-gpu,--cpu", no_gpu, "CPU only; CUDA is never initialised");
   app.add_flag("--gpu", gpu, "the GPU must serve (exit 14 otherwise)");
-  app.add_option("--device", dev_s, "CUDA device index (default 0)");
-  app.add_option("--threads", thr_s, "CPU threads (default: all online CPUs)");
-  app.add_option("--cpu-mode", cpu_mode, "debug: CPU activations, fast (Q8, default) or exact (FP32)");
+  app.add_option("--device", dev_s, "CUDA device index (default 0)")->type_name("N");
+  app.add_option("--threads", thr_s, "CPU threads (default: all online CPUs)")->type_name("N");
+  app.add_option("--cpu-mode", cpu_mode, "debug: CPU activations, fast (Q8, default) or exact (FP32)")->type_name("fast|exact");
   // Output
   app.add_flag("--json", json, "one JSON object on stdout at the end");
-  app.add_option("-f,--format", format, "output format: text|json");
+  app.add_option("-f,--format", format, "output format: text|json")->type_name("text|json");
   app.add_flag("--stream", stream, "NDJSON token events, then the final object");
   app.add_flag("-q,--quiet", c.quiet, "no banner or stats lines");
   app.add_flag("-v,--verbose", c.verbose, "model summary, template/tokenization details, timings");
   app.add_flag("--inspect", inspect, "print the model summary and exit");
   app.add_flag("--tokenize", tokenize, "print the prompt's token ids as a JSON array and exit");
-  app.add_option("--dump-logits", c.dump_logits, "write every evaluated position's logits to FILE.npy");
+  app.add_option("--dump-logits", c.dump_logits, "write every evaluated position's logits to FILE.npy")->type_name("FILE.npy");
   app.add_flag("--version", version, "print the version and exit");
 
   try {

@@ -445,6 +445,13 @@ TEST(Cli, TokenizeOnTheVocabularyOnlyGgufMatchesLlamaCpp) {
   expect_exit(moe({kVocab, "--tokenize", "--raw", "-i", empty}), 2, "empty");
 }
 
+TEST(Cli, RepeatedStopsDoNotSwallowThePrompt) {
+  const Proc a = moe({kTiny, "--stop", "x", "--stop", "y", "Hello there", "--tokenize"});
+  const Proc b = moe({kTiny, "Hello there", "--tokenize"});
+  EXPECT_EQ(a.status, 0) << a.err;
+  EXPECT_EQ(a.out, b.out);
+}
+
 TEST(Cli, PromptFromStdinEqualsPromptFlag) {
   const std::string f = temp_path("stdin.txt");
   std::ofstream(f, std::ios::binary) << "Hello from stdin";
