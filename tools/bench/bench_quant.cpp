@@ -2,6 +2,9 @@
 // same machine measured in the same run (memcpy and a plain read).
 //
 //   bench_quant [--benchmark_filter=...]   (counters: weights_GBps / copy_GBps / read_GBps)
+//   bench_quant --benchmark_repetitions=8 --benchmark_report_aggregates_only=true
+//     adds a "max" row per benchmark: the best repetition's rate, the figure least disturbed by
+//     other work on a shared machine (compare it with the memcpy/read "max" rows).
 //
 // Every benchmark cycles through enough copies of its matrix (>= 256 MiB) that the weights come from
 // DRAM, not the 32 MiB L3, as they do when a model runs.
@@ -184,13 +187,15 @@ const char* tname(Type t) {
 
 }  // namespace
 
+double max_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
 int main(int argc, char** argv) {
   const int nt = all_threads();
   std::vector<int> thread_counts = {1};
   if (nt > 1) thread_counts.push_back(nt);
   for (int th : thread_counts) {
-    benchmark::RegisterBenchmark("memcpy", BM_Memcpy)->Arg(th)->UseRealTime()->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("read", BM_Read)->Arg(th)->UseRealTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("memcpy", BM_Memcpy)->Arg(th)->UseRealTime()->Unit(benchmark::kMillisecond)->ComputeStatistics("max", max_of);
+    benchmark::RegisterBenchmark("read", BM_Read)->Arg(th)->UseRealTime()->Unit(benchmark::kMillisecond)->ComputeStatistics("max", max_of);
   }
   const Type types[] = {Type::Q4_K, Type::Q6_K, Type::Q8_0, Type::Q5_K, Type::Q4_0, Type::Q2_K, Type::Q3_K,
                         Type::Q4_1, Type::Q5_0, Type::Q5_1, Type::F16, Type::BF16, Type::F32};
@@ -203,14 +208,18 @@ int main(int argc, char** argv) {
                              "/threads:" + std::to_string(th) + (mode == q::ActMode::fast ? "/fast" : "/exact");
           benchmark::RegisterBenchmark(name.c_str(), BM_Gemv, t, rows, cols, th, mode)
               ->UseRealTime()
-              ->Unit(benchmark::kMicrosecond);
+              ->Unit(benchmark::kMicrosecond)
+              ->ComputeStatistics("max", max_of);
         }
   for (Type t : {Type::Q4_K, Type::Q6_K, Type::Q8_0})
     for (int th : thread_counts)
       for (q::ActMode mode : {q::ActMode::fast, q::ActMode::exact}) {
         std::string name = std::string("gemm32/") + tname(t) + "/2048x2048/threads:" + std::to_string(th) +
                            (mode == q::ActMode::fast ? "/fast" : "/exact");
-        benchmark::RegisterBenchmark(name.c_str(), BM_Gemm32, t, th, mode)->UseRealTime()->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark(name.c_str(), BM_Gemm32, t, th, mode)
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond)
+            ->ComputeStatistics("max", max_of);
       }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
