@@ -273,3 +273,43 @@ TEST(SynthModel, WeightScalesFollowTheRecipe) {
 }
 
 }  // namespace
+
+namespace {
+
+// Big enough that the large matrices are built from the pre-quantized chunk pool: the values are
+// still the same across types, scaled as the recipe says, and no two rows repeat.
+TEST(SynthModel, PooledMatricesAreConsistentAcrossTypes) {
+  const std::string geo =
+      "--layers 1 --embd 768 --heads 6 --kv-heads 2 --head-dim 128 --experts 22 --experts-used 2 --expert-ffn 768 "
+      "--vocab-size 1000 --seed 5 ";
+  const auto ref = File::open(make_model("pool-f16.gguf", geo + "--type f16"));
+  const auto q = File::open(make_model("pool-q4km.gguf", geo + "--type q4_k_m"));
+  for (const char* name : {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight",
+                           "blk.0.attn_q.weight", "token_embd.weight"}) {
+    const auto* a = ref->tensor(name);
+    const auto* b = q->tensor(name);
+    ASSERT_TRUE(a && b) << name;
+    const int64_t n = a->ne[0], rows = a->nelements() / n;
+    std::vector<float> x(static_cast<size_t>(n)), y(x.size());
+    double err = 0, sq = 0;
+    for (int64_t r = 0; r < rows; r += 97) {
+      moe::quant::dequantize_row(a->type, a->data + r * a->row_bytes(), x.data(), n);
+      moe::quant::dequantize_row(b->type, b->data + r * b->row_bytes(), y.data(), n);
+      for (int64_t i = 0; i < n; ++i) err += double(x[i] - y[i]) * (x[i] - y[i]), sq += double(x[i]) * x[i];
+    }
+    EXPECT_LT(std::sqrt(err / sq), 0.12) << name;
+    const double rms = std::sqrt(sq / double(n * ((rows + 96) / 97)));
+    const double want = std::string(name) == "token_embd.weight"            ? 1.0
+                        : std::string(name) == "blk.0.ffn_down_exps.weight" ? 0.6 / std::sqrt(768.0)
+                                                                             : 1 / std::sqrt(768.0);
+    EXPECT_NEAR(rms, want, 0.05 * want) << name;
+  }
+  const auto* gate = q->tensor("blk.0.ffn_gate_exps.weight");
+  std::unordered_set<std::string_view> seen;
+  const int64_t rows = gate->nelements() / gate->ne[0];
+  for (int64_t r = 0; r < rows; ++r)
+    seen.insert(std::string_view(reinterpret_cast<const char*>(gate->data + r * gate->row_bytes()), gate->row_bytes()));
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), rows) << "repeated rows";
+}
+
+}  // namespace

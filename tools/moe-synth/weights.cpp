@@ -55,7 +55,8 @@ void fill_normal(Rng& r, float* dst, int64_t n, float mean, float stddev) {
 }  // namespace
 
 bool is_pooled(const Geometry& g, const TensorPlan& t) {
-  if (t.ne[0] % kPoolChunk != 0) return false;
+  // At least 3 chunks per row, so rows drawn from a pool of 32768 chunks do not repeat.
+  if (t.ne[0] % kPoolChunk != 0 || t.ne[0] < 3 * kPoolChunk) return false;
   switch (t.role) {
     case Role::token_embd:
       return !g.tied;  // tied rows carry a per-token scale

@@ -165,10 +165,10 @@ struct Pools {
 };
 
 Pools build_pools(const Geometry& g, const std::vector<TensorPlan>& tensors, uint64_t seed, int threads) {
-  // Enough chunks that small models hardly repeat one, capped so the pools stay a few MB each.
+  // Few enough chunks that each pool stays a few MB and is quantized in a second.
   constexpr int64_t kMaxPoolChunks = 32768;
   Pools p;
-  // The pool size depends on the geometry only, so files of different types hold the same values.
+  // Whether to pool depends on the geometry only, so files of different types hold the same values.
   std::map<std::pair<uint32_t, float>, int64_t> slots;
   int64_t total = 0;
   for (const auto& t : tensors)
@@ -176,9 +176,10 @@ Pools build_pools(const Geometry& g, const std::vector<TensorPlan>& tensors, uin
       slots[{static_cast<uint32_t>(t.type), pooled_scale(g, t)}] += 1;
       total += t.rows() * (t.ne[0] / kPoolChunk);
     }
-  p.n_chunks = std::min(total, kMaxPoolChunks);
   p.of_tensor.assign(tensors.size(), nullptr);
-  if (slots.empty()) return p;
+  // Small models are generated element by element: quantizing them directly costs less than a pool.
+  if (total <= 4 * kMaxPoolChunks) return p;
+  p.n_chunks = kMaxPoolChunks;
   const std::vector<float> unit = make_unit_pool(seed, p.n_chunks);
   std::vector<std::pair<std::pair<uint32_t, float>, std::vector<uint8_t>*>> keys;
   for (const auto& [k, n] : slots) {
