@@ -126,19 +126,22 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
   std::vector<int32_t> history = prompt;
   std::vector<int32_t> generated;
   std::string finish = "length";
-  bool interrupted = false;
+  // A SIGINT during loading skips the prefill too.
+  bool interrupted = interrupt_requested();
 
   const auto t_prefill = Clock::now();
-  engine.eval(prompt, history, dump, logits);
-  if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
+  if (!interrupted) {
+    engine.eval(prompt, history, dump, logits);
+    if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
+  }
   const auto t_prefilled = Clock::now();
   t.prefill = ms_between(t_prefill, t_prefilled);
   Clock::time_point t_first = t_prefilled, t_last = t_prefilled;
 
   const size_t last_row = dump ? static_cast<size_t>((n_prompt - 1) * nv) : 0;
-  std::span<float> row(logits.data() + last_row, static_cast<size_t>(nv));
+  std::span<float> row(logits.data() + (interrupted ? 0 : last_row), interrupted ? 0 : static_cast<size_t>(nv));
   Sampler sampler(cfg.sampler);
-  while (static_cast<int64_t>(generated.size()) < cfg.max_tokens) {
+  while (!interrupted && static_cast<int64_t>(generated.size()) < cfg.max_tokens) {
     if (interrupt_requested()) {
       interrupted = true;
       break;

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "moe/error.hpp"
 #include "moe/run.hpp"
@@ -14,7 +15,11 @@ namespace moe::run {
 
 static std::atomic<bool> g_interrupt{false};
 
-extern "C" void moe_on_sigint(int) { g_interrupt.store(true, std::memory_order_relaxed); }
+// The first SIGINT asks the decode loop to stop after the current token; a second one (the run is
+// stuck in a long load or upload) ends the process at once, still with exit code 130.
+extern "C" void moe_on_sigint(int) {
+  if (g_interrupt.exchange(true, std::memory_order_relaxed)) _exit(130);
+}
 
 void install_signal_handlers() {
   struct sigaction sa;

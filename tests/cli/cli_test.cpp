@@ -509,6 +509,47 @@ TEST(Cli, ClosedStdoutEndsQuietly) {
   }
 }
 
+// Starts moe-run with stdout into a 4 KiB pipe it fills at once (it then blocks in write until the
+// test reads) and stderr into a file. Returns the pid; *read_fd is the pipe's read end.
+pid_t spawn_blocking_stream(int* read_fd, const std::string& err) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  fcntl(fds[1], F_SETPIPE_SZ, 4096);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_addclose(&fa, fds[0]);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> args = {kBin, kTiny, "--prompt-tokens", "1,2,3", "-n", "1000", "--ctx-size", "1000",
+                                   "--stream", "--no-gpu", "--threads", "1"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&fa);
+  close(fds[1]);
+  *read_fd = fds[0];
+  return pid;
+}
+
+TEST(Cli, SecondSigintEndsAtOnceWithExit130) {
+  int rfd = -1;
+  const pid_t pid = spawn_blocking_stream(&rfd, temp_path("sigint2_err"));
+  ASSERT_GT(pid, 0);
+  char buf[512];
+  ASSERT_GT(read(rfd, buf, sizeof buf), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // blocked in write by now
+  kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(pid, SIGINT);
+  int st = 0;
+  waitpid(pid, &st, 0);  // no reading: only the second signal can end it
+  close(rfd);
+  ASSERT_TRUE(WIFEXITED(st)) << "killed by a signal";
+  EXPECT_EQ(WEXITSTATUS(st), 130);
+}
+
 TEST(Cli, SigintStopsWithPartialStatsAndExit130) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);

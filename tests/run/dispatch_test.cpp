@@ -398,6 +398,18 @@ class Interrupting : public Forward {
   int calls_ = 0;
 };
 
+TEST(Generate, SigintDuringLoadingSkipsThePrefill) {
+  auto c = base_config();
+  c.backend = run::Requested::cpu;
+  run::clear_interrupt();
+  run::request_interrupt();
+  const Result r = generate(c, Backends{});
+  run::clear_interrupt();
+  EXPECT_EQ(r.rc, 130);
+  EXPECT_TRUE(r.j["tokens"].a.empty());
+  EXPECT_EQ(r.j["prompt_tokens"].a.size(), 33u);
+}
+
 TEST(Generate, SigintStopsWithinOneTokenWithPartialStats) {
   Backends b;
   b.skip_guard = true;
