@@ -2,9 +2,9 @@
 """Writes seed corpora for the fuzz targets into DIR/<target>/ (standard library only).
 
 gguf:      a minimal valid qwen3moe GGUF (1 layer, F32 weights, 16-token vocab) and variants
-tokenizer: the llama.cpp tokenizer test strings of tests/data
-chat:      user/system strings and chat templates
-cli:       argument lines
+tokenizer: the llama.cpp tokenizer test strings of tests/data (mode byte + text), raw bytes, ids
+chat:      template NUL user NUL system
+cli:       NUL-separated argument vectors
 """
 import os
 import random
@@ -99,18 +99,32 @@ def main():
         write(f"{out}/gguf", "vocab-head.gguf", f.read(4096))
     with open(os.path.join(ROOT, "tests/data/ggml-vocab-qwen2.gguf.inp"), encoding="utf-8") as f:
         cases = f.read().split("\n__ggml_vocab_test__\n")
-    for i, c in enumerate(cases):
-        write(f"{out}/tokenizer", f"case{i:03d}", c)
-        write(f"{out}/chat", f"case{i:03d}", c)
-    write(f"{out}/tokenizer", "special", "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n")
-    write(f"{out}/chat", "template-chatml",
-          "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{%- endfor %}")
-    for i, line in enumerate(["-n 8 --temperature 0.7 --top-k 20", "--top-p 0.95 --min-p 0.05 --seed 1",
-                              "--threads 2 --ctx-size 128 --repeat-penalty 1.1 --repeat-last-n 32",
-                              "--device 0 -n 0", "--top-p 1.5", "--threads 0"]):
-        write(f"{out}/cli", f"args{i}", line)
-
+    # tokenizer: first byte = mode (0 encode with specials, 1 without, 2 raw bytes into the stream
+    # decoder, 3 little-endian int32 ids), then the payload.
+    special = "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n"
+    for i, c in enumerate(cases + [special]):
+        write(f"{out}/tokenizer", f"case{i:03d}", b"\x00" + c.encode())
+        write(f"{out}/tokenizer", f"nospecial{i:03d}", b"\x01" + c.encode())
+    write(f"{out}/tokenizer", "bytes", b"\x02" + "héllo wörld 🙂 \u4e2d\u6587".encode() + b"\xe2\x82\xff\xc3")
+    write(f"{out}/tokenizer", "ids", b"\x03" + struct.pack("<8i", 0, 1, 151643, 151644, 151645, 9707, 220, 7))
+    # chat: template NUL user NUL system (user alone = no template, --chat on a GGUF without one)
+    chatml = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>' + '\\n' }}{%- endfor %}")
+    for i, c in enumerate(cases[:16]):
+        write(f"{out}/chat", f"user{i:03d}", c)
+        write(f"{out}/chat", f"chatml{i:03d}", "\0".join([chatml, c, "be brief"]))
+    write(f"{out}/chat", "thinking", "\0".join([chatml + "{%- if enable_thinking %}{%- endif %}", "hi"]))
+    write(f"{out}/chat", "not-chatml", "\0".join(["{{ messages[0].content }}", "hi", "sys"]))
+    # cli: NUL-separated argument vectors (argv[0] is added by the target)
+    for i, line in enumerate(["m.gguf hi -n 8 --temperature 0.7 --top-k 20",
+                              "m.gguf -p hi --top-p 0.95 --min-p 0.05 --seed 1 --json",
+                              "m.gguf hi --threads 2 --ctx-size 128 --repeat-penalty 1.1 --repeat-last-n 32",
+                              "m.gguf --prompt-tokens 1,2,3 --device 0 -n 0 --stream",
+                              "m.gguf hi --top-p 1.5", "m.gguf hi --threads 0", "m.gguf --inspect -f json",
+                              "m.gguf hi --chat --system sys --thinking on --stop x --stop y --cpu-mode exact",
+                              "m.gguf hi --temperature 1e309", "m.gguf hi --seed 4294967296 -q",
+                              "m.gguf --tokenize hi --raw --dump-logits out.npy", "--help", "--version"]):
+        write(f"{out}/cli", f"args{i}", "\0".join(line.split(" ")))
 
 if __name__ == "__main__":
     main()
