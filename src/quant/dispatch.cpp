@@ -138,10 +138,7 @@ void matmul_rows_fast(const Matrix& W, int64_t r0, int64_t r1, const uint8_t* ac
   detail::DotFastFn fn = fast_fn(W.type);
   const int64_t n = W.cols;
   if (n_tok == 1) {
-    int64_t r = r0;
-    if (auto rows2 = detail::active().dot_fast_rows2[static_cast<size_t>(W.type)])
-      for (; r + 2 <= r1; r += 2) rows2(W.row(r), W.row(r + 1), acts, n, Y + r);
-    for (; r < r1; ++r) Y[r] = fn(W.row(r), acts, n);
+    for (int64_t r = r0; r < r1; ++r) Y[r] = fn(W.row(r), acts, n);
     return;
   }
   const int64_t rb = row_block(W.row_bytes);

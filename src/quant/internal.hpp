@@ -97,8 +97,6 @@ struct Kernels {
   DotFastFn dot_fast[kTypeCount] = {};          // indexed by the weight type
   DotExactFn dot_exact[kTypeCount] = {};        // indexed by the weight type
   DotFastMultiFn dot_fast_multi[kTypeCount] = {};  // optional (nullptr: one dot_fast per row)
-  // Optional: two weight rows against one activation row (decode); out[r] equals dot_fast of row r.
-  void (*dot_fast_rows2[kTypeCount])(const void* w0, const void* w1, const void* act, int64_t n, float* out) = {};
   // Row dequantization, used by exact-mode prefill; the scalar table fills every weight type.
   void (*dequant_row[kTypeCount])(const void* src, float* dst, int64_t n) = {};
   // out[t * out_stride + r] = w[r] · x[t] for r < nr <= 4, t < nt <= 4 (nullptr: not provided).

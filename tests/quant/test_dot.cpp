@@ -396,14 +396,6 @@ TEST(Dot, MultiRowKernelsMatchSingleRow) {
     }
     for (int isa = 0; isa <= static_cast<int>(qd::cpu_isa()); ++isa) {
       const qd::Kernels& k = qd::kernels(static_cast<qd::Isa>(isa));
-      if (auto rows2 = k.dot_fast_rows2[static_cast<size_t>(t)]) {
-        // Two different weight rows against one activation row.
-        Problem p2 = make_problem(t, 1, cols, rng);
-        float out[2] = {-1.f, -1.f};
-        rows2(p.w.data(), p2.w.data(), acts.data(), cols, out);
-        EXPECT_EQ(out[0], sc.dot_fast[static_cast<size_t>(t)](p.w.data(), acts.data(), cols)) << k.name << " rows2";
-        EXPECT_EQ(out[1], sc.dot_fast[static_cast<size_t>(t)](p2.w.data(), acts.data(), cols)) << k.name << " rows2";
-      }
       auto multi = k.dot_fast_multi[static_cast<size_t>(t)];
       if (!multi) continue;
       for (int na = 1; na <= 4; ++na) {

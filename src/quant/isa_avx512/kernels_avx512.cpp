@@ -360,59 +360,6 @@ void drive_k(const void* w, const uint8_t* act, size_t act_stride, int64_t n, fl
   for (int a = 0; a < NA; ++a) out[a * out_stride] = sumf[a];
 }
 
-// Decode: two weight rows against one activation row, interleaved so the two rows' float chains
-// (which must stay in super-block order) overlap; each row's result equals the single-row kernel's.
-template <typename Block>
-void drive_k_rows2(const void* w0, const void* w1, const void* act, int64_t n, float* out) {
-  const uint8_t* base[2] = {static_cast<const uint8_t*>(w0), static_cast<const uint8_t*>(w1)};
-  const int64_t nb = n / kQKK;
-  const BlockQ8_K* y0 = static_cast<const BlockQ8_K*>(act);
-  float sumf[2] = {0.f, 0.f};
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {
-    KOut o[2][8];
-    alignas(16) uint16_t dw[2][8], dm[2][8];
-    for (int k = 0; k < 8; ++k) {
-      const BlockQ8_K* y[1] = {y0 + b + k};
-      Block::run(base[0] + (b + k) * Block::kBytes, y, &o[0][k], dw[0][k], dm[0][k]);
-      Block::run(base[1] + (b + k) * Block::kBytes, y, &o[1][k], dw[1][k], dm[1][k]);
-    }
-    const __m256 da = _mm256_setr_ps(y0[b].d, y0[b + 1].d, y0[b + 2].d, y0[b + 3].d, y0[b + 4].d, y0[b + 5].d,
-                                     y0[b + 6].d, y0[b + 7].d);
-    alignas(32) float ds[2][8], dms[2][8];
-    alignas(32) int32_t is[2][8], im[2][8];
-    for (int r = 0; r < 2; ++r) {
-      // The products d_w·d_a are the scalar kernel's first multiplication, done eight at a time.
-      _mm256_store_ps(ds[r], _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dw[r]))), da));
-      _mm256_store_ps(dms[r], _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dm[r]))), da));
-      __m256i v[8];
-      for (int k = 0; k < 8; ++k) v[k] = o[r][k].vs;
-      _mm256_store_si256(reinterpret_cast<__m256i*>(is[r]), reduce8(v));
-      if constexpr (Block::kHasMin) {
-        for (int k = 0; k < 8; ++k) v[k] = o[r][k].vm;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(im[r]), reduce8(v));
-      }
-    }
-    for (int k = 0; k < 8; ++k)
-      for (int r = 0; r < 2; ++r) {
-        sumf[r] += ds[r][k] * static_cast<float>(is[r][k]);
-        if constexpr (Block::kHasMin) sumf[r] -= dms[r][k] * static_cast<float>(im[r][k]);
-      }
-  }
-  for (; b < nb; ++b) {
-    const BlockQ8_K* y[1] = {y0 + b};
-    for (int r = 0; r < 2; ++r) {
-      KOut o;
-      uint16_t dw, dm;
-      Block::run(base[r] + b * Block::kBytes, y, &o, dw, dm);
-      sumf[r] += h2f(dw) * y0[b].d * static_cast<float>(hsum_i32(o.vs));
-      if constexpr (Block::kHasMin) sumf[r] -= h2f(dm) * y0[b].d * static_cast<float>(hsum_i32(o.vm));
-    }
-  }
-  out[0] = sumf[0];
-  out[1] = sumf[1];
-}
-
 template <bool kFive, int NA>
 void dot_k4(const void* w, const uint8_t* act, size_t act_stride, int64_t n, float* out, int64_t out_stride) {
   drive_k<K4Block<kFive, NA>, NA>(w, act, act_stride, n, out, out_stride);
@@ -721,9 +668,6 @@ void fill_avx512_kernels(Kernels& k) {
   k.dot_fast_multi[i(Type::Q4_0)] = multi<Q40>;
   k.dot_fast_multi[i(Type::Q8_0)] = multi<Q80>;
   k.dot_fast_multi[i(Type::Q4_K)] = multi<Q4K>;
-  k.dot_fast_rows2[i(Type::Q4_K)] = drive_k_rows2<K4Block<false, 1>>;
-  k.dot_fast_rows2[i(Type::Q5_K)] = drive_k_rows2<K4Block<true, 1>>;
-  k.dot_fast_rows2[i(Type::Q6_K)] = drive_k_rows2<Q6Block<1>>;
   k.dot_fast_multi[i(Type::Q5_K)] = multi<Q5K>;
   k.dot_fast_multi[i(Type::Q6_K)] = multi<Q6K>;
   k.dot_fast[i(Type::F32)] = fast_f32;
