@@ -155,6 +155,30 @@ void BM_Gemv(benchmark::State& state, Type t, int64_t rows, int64_t cols, int th
   state.SetLabel(q::isa_name());
 }
 
+// Compute ceiling: one 64-row matrix that stays in L2, one thread; weights GB/s when memory is not
+// the limit (the DRAM figures above approach this on a quiet machine only if it is well above them).
+void BM_GemvHot(benchmark::State& state, Type t, q::ActMode mode) {
+  const int64_t rows = 64, cols = 2048;
+  const size_t rb = row_bytes_of(t, cols);
+  std::vector<uint8_t> w(rb * rows);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 0.05f);
+  std::vector<float> row(static_cast<size_t>(cols)), x(static_cast<size_t>(cols)), y(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (auto& v : row) v = nd(rng);
+    q::quantize_row(t, row.data(), w.data() + r * rb, cols);
+  }
+  for (auto& v : x) v = nd(rng) * 20.f;
+  q::ThreadPool& pool = pool_of(1);
+  const q::Matrix m{w.data(), t, cols, rows, rb};
+  for (auto _ : state) {
+    q::matmul(m, x.data(), cols, 1, y.data(), rows, mode, pool);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["weights_GBps"] =
+      benchmark::Counter(static_cast<double>(rb * rows) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // Prefill-style: 32 tokens against one matrix (weights reused from cache across tokens).
 void BM_Gemm32(benchmark::State& state, Type t, int threads, q::ActMode mode) {
   const int64_t rows = 2048, cols = 2048, ntok = 32;
@@ -211,6 +235,14 @@ int main(int argc, char** argv) {
               ->Unit(benchmark::kMicrosecond)
               ->ComputeStatistics("max", max_of);
         }
+  for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K, Type::Q8_0, Type::Q4_0, Type::F32})
+    for (q::ActMode mode : {q::ActMode::fast, q::ActMode::exact}) {
+      std::string name = std::string("gemv_hot/") + tname(t) + "/64x2048" + (mode == q::ActMode::fast ? "/fast" : "/exact");
+      benchmark::RegisterBenchmark(name.c_str(), BM_GemvHot, t, mode)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond)
+          ->ComputeStatistics("max", max_of);
+    }
   for (Type t : {Type::Q4_K, Type::Q6_K, Type::Q8_0})
     for (int th : thread_counts)
       for (q::ActMode mode : {q::ActMode::fast, q::ActMode::exact}) {
