@@ -152,6 +152,13 @@ TEST(SynthTypes, BadFlagsAreUsageErrors) {
   EXPECT_FALSE(fs::exists(tmp_dir() / "bad.gguf"));
   const auto r = run_synth(out + "--vocab /no/such/vocab.gguf");
   EXPECT_EQ(r.rc, 3) << r.err;
+  // An output that cannot be created: exit 1, one error line naming it, nothing left behind.
+  const fs::path dir = tmp_dir() / "no-such-dir";
+  const auto w = run_synth("-o '" + (dir / "x.gguf").string() + "'");
+  EXPECT_EQ(w.rc, 1) << w.err;
+  EXPECT_EQ(w.err.rfind("error: ", 0), 0u) << w.err;
+  EXPECT_NE(w.err.find("no-such-dir"), std::string::npos) << w.err;
+  EXPECT_FALSE(fs::exists(dir));
 }
 
 }  // namespace

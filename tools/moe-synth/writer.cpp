@@ -33,8 +33,10 @@ uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 struct Buf {
   std::vector<uint8_t> b;
   void raw(const void* p, size_t n) {
-    const auto* c = static_cast<const uint8_t*>(p);
-    b.insert(b.end(), c, c + n);
+    if (n == 0) return;
+    const size_t at = b.size();
+    b.resize(at + n);
+    std::memcpy(b.data() + at, p, n);
   }
   void u32(uint32_t v) { raw(&v, 4); }
   void i32(int32_t v) { raw(&v, 4); }
@@ -258,6 +260,14 @@ WriteStats write_model(const Geometry& g, const Vocab& v, std::vector<TensorPlan
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
+  // A failed or interrupted write leaves no half file behind.
+  struct Unlinker {
+    const std::string& path;
+    bool keep = false;
+    ~Unlinker() {
+      if (!keep) ::unlink(path.c_str());
+    }
+  } unlinker{tmp};
   // Padding between tensors is whatever ftruncate leaves: zeros.
   if (::ftruncate(fd, static_cast<off_t>(file_bytes)) != 0)
     throw Error(Exit::other, fmt::format("{}: cannot size the file to {} bytes: {}", tmp, file_bytes,
@@ -332,12 +342,10 @@ WriteStats write_model(const Geometry& g, const Vocab& v, std::vector<TensorPlan
   } else {
     for (auto& th : pool) th.join();
   }
-  if (error) {
-    ::unlink(tmp.c_str());
-    std::rethrow_exception(error);
-  }
+  if (error) std::rethrow_exception(error);
   if (::rename(tmp.c_str(), opt.path.c_str()) != 0)
     throw Error(Exit::other, fmt::format("{}: cannot rename to {}: {}", tmp, opt.path, std::strerror(errno)));
+  unlinker.keep = true;
   return WriteStats{file_bytes, data_bytes, secs()};
 }
 
