@@ -66,6 +66,8 @@ double element_bound(Type t, const float* blk, int n_blk, int i_in_blk) {
   switch (t) {
     case Type::Q8_0: case Type::Q8_1:
       range_of(0, 32, mn, mx, amax); return amax / 127 * (0.5 + 127 * u) + 1e-12;
+    case Type::Q8_K:  // fp32 d = ±amax/127, round to nearest
+      range_of(0, 256, mn, mx, amax); return amax / 127 * 0.5 * (1 + 1e-5) + 1e-12;
     case Type::Q4_0:
       range_of(0, 32, mn, mx, amax); return amax / 8 * (1 + 16 * u) + 1e-12;
     case Type::Q5_0:
@@ -121,6 +123,7 @@ double element_bound(Type t, const float* blk, int n_blk, int i_in_blk) {
 double rms_bound(Type t) {
   switch (t) {
     case Type::Q8_0: case Type::Q8_1: return 0.006;
+    case Type::Q8_K: return 0.009;  // one scale per 256 values: amax ~2.9σ, step 2.9σ/127 -> 0.0066σ
     case Type::Q4_0: return 0.12;
     case Type::Q4_1: return 0.10;
     case Type::Q5_0: return 0.06;
@@ -137,7 +140,8 @@ double rms_bound(Type t) {
 }
 
 const Type kTypes[] = {Type::F32, Type::F16, Type::BF16, Type::Q4_0, Type::Q4_1, Type::Q5_0, Type::Q5_1,
-                       Type::Q8_0, Type::Q8_1, Type::Q2_K, Type::Q3_K, Type::Q4_K, Type::Q5_K, Type::Q6_K};
+                       Type::Q8_0, Type::Q8_1, Type::Q8_K, Type::Q2_K, Type::Q3_K, Type::Q4_K, Type::Q5_K,
+                       Type::Q6_K};
 
 const char* test_type_name(Type t) {
   switch (t) {
