@@ -166,7 +166,10 @@ std::vector<std::vector<double>> ref_forward(const RefModel& m, const std::vecto
       for (double& e : r) e /= rsum;
       std::vector<int> order(static_cast<size_t>(X));
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return r[static_cast<size_t>(a)] > r[static_cast<size_t>(b)]; });
+      std::sort(order.begin(), order.end(), [&](int a, int b) {
+        const double pa = r[static_cast<size_t>(a)], pb = r[static_cast<size_t>(b)];
+        return pa > pb || (pa == pb && a < b);  // ties: lower id first
+      });
       if (K < X)
         router_margin[static_cast<size_t>(t)] =
             std::min(router_margin[static_cast<size_t>(t)],
