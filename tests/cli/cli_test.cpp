@@ -91,11 +91,12 @@ Proc run(std::vector<std::string> args, std::map<std::string, std::string> env =
   argv.push_back(nullptr);
   pid_t pid;
   Proc p;
-  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()) != 0) {
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) {
     ADD_FAILURE() << "cannot spawn " << args[0];
     return p;
   }
-  posix_spawn_file_actions_destroy(&fa);
   int st = 0;
   waitpid(pid, &st, 0);
   if (WIFEXITED(st)) p.status = WEXITSTATUS(st);
@@ -551,32 +552,17 @@ TEST(Cli, SecondSigintEndsAtOnceWithExit130) {
 }
 
 TEST(Cli, SigintStopsWithPartialStatsAndExit130) {
-  int fds[2];
-  ASSERT_EQ(pipe(fds), 0);
-  // A small pipe: the child blocks on its writes until the test reads, so the signal arrives
-  // mid-generation.
-  fcntl(fds[1], F_SETPIPE_SZ, 4096);
   const std::string err = temp_path("sigint_err");
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_addclose(&fa, fds[0]);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> args = {kBin, kTiny, "--prompt-tokens", "1,2,3", "-n", "1000", "--ctx-size", "1000",
-                                   "--stream", "--no-gpu", "--threads", "1"};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  ASSERT_EQ(posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ), 0);
-  close(fds[1]);
+  int rfd = -1;
+  const pid_t pid = spawn_blocking_stream(&rfd, err);
+  ASSERT_GT(pid, 0);
   char buf[512];
-  ASSERT_GT(read(fds[0], buf, sizeof buf), 0);  // generation has started
+  ASSERT_GT(read(rfd, buf, sizeof buf), 0);  // generation has started
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   kill(pid, SIGINT);
   std::string out(buf, 0);
-  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
+  for (ssize_t n; (n = read(rfd, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(rfd);
   int st = 0;
   waitpid(pid, &st, 0);
   ASSERT_TRUE(WIFEXITED(st)) << "killed by a signal";

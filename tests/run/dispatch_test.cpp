@@ -154,7 +154,9 @@ TEST(Dispatch, EveryInjectedFaultFallsBackAndAnswersLikeTheCpu) {
       EXPECT_FALSE(r.j["guard"]["accepted"].b);
       EXPECT_EQ(r.j["guard"]["first_bad_pos"].n, 1);
     }
-    if (fc.fault == run::Fault::gpu_kernel) EXPECT_TRUE(r.j["guard"]["accepted"].b);  // failed after serving
+    if (fc.fault == run::Fault::gpu_kernel) {
+      EXPECT_TRUE(r.j["guard"]["accepted"].b);  // failed after serving
+    }
   }
 }
 
