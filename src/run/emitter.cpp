@@ -45,10 +45,16 @@ std::string Emitter::take_releasable() {
   return out;
 }
 
-bool Emitter::push(int32_t id, bool eog, int64_t index) {
+bool Emitter::push(int32_t id, bool eog, int64_t index, bool last) {
   if (stopped_) return true;
   if (!eog) pending_ += dec_.push(id);
-  const std::string released = take_releasable();
+  std::string released = take_releasable();
+  if (last && !stopped_) {
+    // Nothing follows: a partial stop string can no longer complete; unfinished bytes become U+FFFD.
+    pending_ += dec_.finish();
+    released += pending_;
+    pending_.clear();
+  }
   text_ += released;
   if (mode_ == OutputMode::stream && !broken_) {
     out_ << json::Object()

@@ -14,8 +14,10 @@ class Emitter {
  public:
   Emitter(const tok::Tokenizer& tok, OutputMode mode, std::vector<std::string> stops, std::ostream& out);
   // Handles one generated token (index = its position among the generated tokens). An
-  // end-of-generation token adds no text. Returns true when a stop string has been reached.
-  bool push(int32_t id, bool eog, int64_t index);
+  // end-of-generation token adds no text. `last`: no token follows, so everything held back is
+  // released with this one (its NDJSON event then carries it). Returns true when a stop string
+  // has been reached.
+  bool push(int32_t id, bool eog, int64_t index, bool last = false);
   // Releases the text still held back (bytes of an unfinished character, a partial stop string).
   void finish();
   // stdout failed (closed pipe): the run should end quietly.

@@ -152,7 +152,9 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
     t_last = Clock::now();
     if (generated.size() == 1) t_first = t_last;
     const bool eog = tokenizer.is_eog(id);
-    const bool stop = emit.push(id, eog, static_cast<int64_t>(generated.size()) - 1);
+    // Known before the text is released: the budget, the context or an end token ends the run here.
+    const bool last = eog || static_cast<int64_t>(generated.size()) >= cfg.max_tokens || engine.n_past() >= n_ctx;
+    const bool stop = emit.push(id, eog, static_cast<int64_t>(generated.size()) - 1, last);
     if (emit.broken()) return 0;  // stdout is gone (e.g. `| head -c 10`): end quietly
     if (eog || stop) {
       finish = "stop";

@@ -221,6 +221,37 @@ TEST(Cli, StreamEventsInOrderThenFinal) {
   EXPECT_EQ(fin["tokens"].ints(), ids);
 }
 
+TEST(Cli, StreamEventTextsAddUpToTheFinalText) {
+  // Whatever is held back at the end (bytes of an unfinished character, the start of a stop
+  // string that can no longer complete) is released with the last token's event.
+  int checked = 0;
+  for (const char* prompt : {"Hello", "Über café, 東京", "def f(x):", "1 2 3 4"}) {
+    for (const char* n : {"3", "17"}) {
+      const std::vector<std::string> a = {kTiny, prompt, "--no-gpu", "-n", n, "--threads", "2"};
+      const auto plain = mini_json::parse(moe(with(a, {"--json"})).out);
+      const std::string full = plain["text"].s;
+      ASSERT_FALSE(full.empty());
+      // A stop string that begins with the text's last byte and cannot complete: that byte is held
+      // back until the run ends.
+      const std::string stop = full.substr(full.size() - 1) + "\x01";
+      const Proc p = moe(with(a, {"--stream", "--stop", stop}));
+      ASSERT_EQ(p.status, 0) << p.err;
+      std::istringstream is(p.out);
+      std::string text;
+      mini_json::Value fin;
+      for (std::string l; std::getline(is, l);) {
+        auto v = mini_json::parse(l);
+        if (v["event"].s == "token") text += v["text"].s;
+        else fin = v;
+      }
+      EXPECT_EQ(fin["text"].s, full) << prompt << " -n " << n;
+      EXPECT_EQ(text, full) << prompt << " -n " << n;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 8);
+}
+
 // ---- exit codes ------------------------------------------------------------------------------------------
 
 void expect_exit(const Proc& p, int code, const std::string& needle = "") {
