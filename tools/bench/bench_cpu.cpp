@@ -4,10 +4,10 @@
 //   prefill_512     512-token prompt from an empty cache, last row's logits only (llama-bench pp512)
 //   decode          one token at a time over positions 0..127 (llama-bench tg128)
 // Then a summary with the decode's achieved weight bandwidth, peak RSS against the budget
-// (mapped file + KV cache + 64 MiB) and, when LLAMA_BENCH names llama.cpp's llama-bench, its figures
-// on the same file and thread count, run in the same process, and the ratios.
+// (mapped file + KV cache + 64 MiB) and, when LLAMA_BENCH names llama.cpp's llama-bench, rounds that
+// alternate moe-run and llama-bench on the same file and thread count, with the ratios of the bests.
 // Environment: MOE_BENCH_MODEL, MOE_BENCH_THREADS (default 2), MOE_BENCH_MODE (fast | exact),
-// LLAMA_BENCH (path of llama-bench), LLAMA_BENCH_REPS (default 3).
+// LLAMA_BENCH (path of llama-bench), LLAMA_BENCH_ROUNDS (alternating rounds, default 3).
 #include <benchmark/benchmark.h>
 #include <sys/resource.h>
 
@@ -139,16 +139,14 @@ void BM_Prefill512(benchmark::State& st) {
 void BM_Decode(benchmark::State& st) {
   auto f = moe::cpu::make_forward(g.model, options());
   const std::vector<int32_t> ids = random_tokens(kGen, f->n_vocab());
-  int64_t tokens = 0;
-  double seconds = 0;
+  double best = 0;
   for (auto _ : st) {
     f->reset();
     const double t0 = now_s();
     for (int64_t i = 0; i < kGen; ++i) benchmark::DoNotOptimize(f->eval_greedy(ids[static_cast<size_t>(i)]));
-    seconds += now_s() - t0;
-    tokens += kGen;
+    best = std::max(best, static_cast<double>(kGen) / (now_s() - t0));
   }
-  g.decode_tps = static_cast<double>(tokens) / seconds;
+  g.decode_tps = best;
   st.counters["tok/s"] = g.decode_tps;
   st.counters["weights GB/s"] = g.decode_tps * decode_bytes(*g.model) / 1e9;
 }
@@ -193,7 +191,7 @@ void BM_ExpertGemm(benchmark::State& st, bool forward_kernels) {
   st.SetLabel(moe::gguf::type_name(w.type));
 }
 
-// llama-bench's average tok/s for (n_prompt, n_gen) from its JSON output; 0 when absent.
+// llama-bench's best sample tok/s for (n_prompt, n_gen) from its JSON output; 0 when absent.
 double llama_ts(const std::string& json, int n_prompt, int n_gen) {
   size_t at = 0;
   while ((at = json.find('{', at)) != std::string::npos) {
@@ -204,41 +202,83 @@ double llama_ts(const std::string& json, int n_prompt, int n_gen) {
       if (k == std::string::npos) return -1.0;
       return std::atof(obj.c_str() + obj.find(':', k) + 1);
     };
-    if (num("n_prompt") == n_prompt && num("n_gen") == n_gen) return num("avg_ts");
+    if (num("n_prompt") == n_prompt && num("n_gen") == n_gen) {
+      const size_t k = obj.find("\"samples_ts\"");
+      if (k == std::string::npos) return num("avg_ts");
+      double best = 0;
+      const char* c = obj.c_str() + obj.find('[', k) + 1;
+      while (*c && *c != ']') {
+        char* e = nullptr;
+        const double v = std::strtod(c, &e);
+        if (e == c) break;
+        best = std::max(best, v);
+        c = e;
+        while (*c == ',' || *c == ' ' || *c == '\n') ++c;
+      }
+      return best;
+    }
     at = end == std::string::npos ? json.size() : end;
   }
   return 0;
 }
 
-void compare_llama(const std::string& llama_bench, const std::string& model) {
-  const char* reps = std::getenv("LLAMA_BENCH_REPS");
+// One llama-bench run (pp512 + tg128, one repetition each); false when it failed.
+bool llama_once(const std::string& llama_bench, const std::string& model, double& pp, double& tg) {
   const std::string cmd = llama_bench + " -m '" + model + "' -t " + std::to_string(g.threads) + " -p " +
-                          std::to_string(kPrompt) + " -n " + std::to_string(kGen) + " -r " + (reps ? reps : "3") +
-                          " -o json 2>/dev/null";
-  std::printf("running: %s\n", cmd.c_str());
-  std::fflush(stdout);
+                          std::to_string(kPrompt) + " -n " + std::to_string(kGen) + " -r 1 -o json 2>/dev/null";
   FILE* p = popen(cmd.c_str(), "r");
-  if (!p) {
-    std::printf("llama-bench: could not start\n");
-    return;
-  }
+  if (!p) return false;
   std::string out;
   char buf[4096];
   size_t k;
   while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, k);
   const int rc = pclose(p);
-  const double pp = llama_ts(out, static_cast<int>(kPrompt), 0), tg = llama_ts(out, 0, static_cast<int>(kGen));
+  pp = llama_ts(out, static_cast<int>(kPrompt), 0);
+  tg = llama_ts(out, 0, static_cast<int>(kGen));
   if (rc != 0 || pp <= 0 || tg <= 0) {
-    std::printf("llama-bench: failed (exit %d), output:\n%s\n", rc, out.c_str());
-    return;
+    std::printf("llama-bench failed (exit %d): %s\noutput:\n%s\n", rc, cmd.c_str(), out.c_str());
+    return false;
   }
-  std::printf("llama.cpp  prefill pp%lld: %8.2f tok/s   decode tg%lld: %7.2f tok/s\n", static_cast<long long>(kPrompt),
-              pp, static_cast<long long>(kGen), tg);
-  std::printf("moe-run / llama.cpp:  prefill %.2fx (target >= 1.5)   decode %.2fx (target >= 1.1)\n",
-              g.prefill_tps / pp, g.decode_tps / tg);
+  return true;
+}
+
+// Rounds that alternate moe-run and llama-bench on the same file and thread count, best of each:
+// on a shared machine the load changes by the second, and alternating keeps both sides under the
+// same conditions.
+void compare_llama(const std::string& llama_bench, const std::string& model) {
+  const char* r = std::getenv("LLAMA_BENCH_ROUNDS");
+  const int rounds = r ? std::max(1, std::atoi(r)) : 3;
+  std::printf("\ncomparison: %d alternating rounds of moe-run and %s (-t %d, pp%lld, tg%lld), best of each\n", rounds,
+              llama_bench.c_str(), g.threads, static_cast<long long>(kPrompt), static_cast<long long>(kGen));
+  auto f = moe::cpu::make_forward(g.model, options());
+  const std::vector<int32_t> prompt = random_tokens(kPrompt, f->n_vocab()), gen = random_tokens(kGen, f->n_vocab());
+  std::vector<float> logits;
+  double our_pp = 0, our_tg = 0, ll_pp = 0, ll_tg = 0;
+  for (int i = 0; i < rounds; ++i) {
+    f->reset();
+    double t0 = now_s();
+    f->eval(prompt, false, logits);
+    our_pp = std::max(our_pp, static_cast<double>(kPrompt) / (now_s() - t0));
+    f->reset();
+    t0 = now_s();
+    for (int64_t j = 0; j < kGen; ++j) benchmark::DoNotOptimize(f->eval_greedy(gen[static_cast<size_t>(j)]));
+    our_tg = std::max(our_tg, static_cast<double>(kGen) / (now_s() - t0));
+    double pp = 0, tg = 0;
+    if (!llama_once(llama_bench, model, pp, tg)) return;
+    ll_pp = std::max(ll_pp, pp);
+    ll_tg = std::max(ll_tg, tg);
+    std::printf("  round %d: moe-run pp %.1f tg %.2f | llama.cpp pp %.1f tg %.2f tok/s\n", i + 1, our_pp, our_tg, pp, tg);
+    std::fflush(stdout);
+  }
   const double db = decode_bytes(*g.model);
-  std::printf("llama.cpp decode reads weights at %.1f GB/s = %.0f %% of the measured read bandwidth\n", tg * db / 1e9,
-              100.0 * tg * db / 1e9 / g.bandwidth_gbs);
+  std::printf("moe-run    prefill pp%lld: %8.2f tok/s   decode tg%lld: %7.2f tok/s (%.0f %% of read bandwidth)\n",
+              static_cast<long long>(kPrompt), our_pp, static_cast<long long>(kGen), our_tg,
+              100.0 * our_tg * db / 1e9 / g.bandwidth_gbs);
+  std::printf("llama.cpp  prefill pp%lld: %8.2f tok/s   decode tg%lld: %7.2f tok/s (%.0f %% of read bandwidth)\n",
+              static_cast<long long>(kPrompt), ll_pp, static_cast<long long>(kGen), ll_tg,
+              100.0 * ll_tg * db / 1e9 / g.bandwidth_gbs);
+  std::printf("moe-run / llama.cpp:  prefill %.2fx (target >= 1.5)   decode %.2fx (target >= 1.1)\n", our_pp / ll_pp,
+              our_tg / ll_tg);
 }
 
 }  // namespace
@@ -266,8 +306,8 @@ int main(int argc, char** argv) {
   benchmark::RegisterBenchmark("lm_head_gemv", BM_HeadGemv)->Iterations(10)->Unit(benchmark::kMillisecond)->UseRealTime();
   benchmark::RegisterBenchmark("expert_gemm_quant", BM_ExpertGemm, false)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("expert_gemm_forward", BM_ExpertGemm, true)->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("prefill_512", BM_Prefill512)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
-  benchmark::RegisterBenchmark("decode_128", BM_Decode)->Iterations(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("prefill_512", BM_Prefill512)->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("decode_128", BM_Decode)->Iterations(3)->Unit(benchmark::kMillisecond)->UseRealTime();
   try {
     benchmark::RunSpecifiedBenchmarks();
   } catch (const std::exception& e) {
