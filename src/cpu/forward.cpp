@@ -324,6 +324,11 @@ class CpuForward final : public Forward {
     }
   }
 
+  int32_t eval_greedy(int32_t token) override {
+    eval(std::span<const int32_t>(&token, 1), false, greedy_logits_);
+    return static_cast<int32_t>(argmax(greedy_logits_.data(), static_cast<int64_t>(greedy_logits_.size())));
+  }
+
   int64_t n_past() const override { return n_past_; }
   int64_t n_ctx() const override { return s_.n_ctx; }
   int64_t n_vocab() const override { return s_.model->output.ne[1]; }
@@ -375,15 +380,15 @@ class CpuForward final : public Forward {
     project(s_, &head, 1, s_.h, E, n_out);
     for (int64_t t = 0; t < n_out; ++t) {
       const float* row = out + t * V;
-      for (int64_t i = 0; i < V; ++i)
-        if (!std::isfinite(row[i]))
-          fail(Exit::inference, "non-finite logit at position {} (token id {}: {})", p0 + out0 + t, i, row[i]);
+      if (const int64_t i = first_non_finite(row, V); i >= 0)
+        fail(Exit::inference, "non-finite logit at position {} (token id {}: {})", p0 + out0 + t, i, row[i]);
     }
     lap(s_, kHead, tp);
   }
 
   State s_;
   int64_t n_past_ = 0;
+  std::vector<float> greedy_logits_;  // eval_greedy's row, kept between calls
 
  public:
   ~CpuForward() override {

@@ -267,7 +267,57 @@ void attend_heads_avx2(const float* q, int64_t hd, const uint16_t* K, const uint
   values_block<NB>(scores, n_pos, hd, V, kv_stride, n_pos, out);
 }
 
+__attribute__((target("avx2"))) bool all_finite_avx2(const float* x, int64_t n) {
+  // Finite: the exponent field is not all ones.
+  const __m256i exp_mask = _mm256_set1_epi32(0x7F800000);
+  __m256i bad = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i e = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), exp_mask);
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(e, exp_mask));
+  }
+  if (!_mm256_testz_si256(bad, bad)) return false;
+  for (; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+
+__attribute__((target("avx2"))) float max_avx2(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+  }
+  alignas(32) float l[8];
+  _mm256_store_ps(l, _mm256_max_ps(m0, m1));
+  float m = l[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, l[j]);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 }  // namespace
+
+int64_t first_non_finite(const float* x, int64_t n) {
+  if (use_f16c() && all_finite_avx2(x, n)) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return i;
+  return -1;
+}
+
+int64_t argmax(const float* x, int64_t n) {
+  if (n <= 0) return -1;
+  if (use_f16c()) {
+    const float m = max_avx2(x, n);
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] == m) return i;
+  }
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return best;
+}
 
 void attend(const float* q, int64_t n_heads, int64_t hd, const uint16_t* K, const uint16_t* V, int64_t kv_stride,
             int64_t n_pos, float scale, bool round_f16, float* scores, float* qbuf, float* out) {

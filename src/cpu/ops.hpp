@@ -44,6 +44,11 @@ void attend(const float* q, int64_t n_heads, int64_t hd, const uint16_t* K, cons
 // y = x * sigmoid(x) * u over n values (SwiGLU's gate applied to up).
 void swiglu(const float* g, const float* u, float* y, int64_t n);
 
+// Index of the first non-finite value, or -1.
+int64_t first_non_finite(const float* x, int64_t n);
+// Index of the largest value, the lowest index on ties (x finite).
+int64_t argmax(const float* x, int64_t n);
+
 // Softmax in place with max subtraction; exp sum in double, then one multiply by 1/sum, as ggml's
 // soft_max does.
 void softmax(float* x, int64_t n);

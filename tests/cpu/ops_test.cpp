@@ -112,6 +112,24 @@ TEST(CpuOps, SoftmaxAndSwiglu) {
   }
 }
 
+TEST(CpuOps, ArgmaxLowestIdOnTiesAndNonFiniteScan) {
+  for (int n : {1, 7, 8, 9, 33, 4099}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) x[static_cast<size_t>(i)] = std::sin(0.37f * static_cast<float>(i));
+    const int hi = n / 3, lo = n - 1;
+    x[static_cast<size_t>(lo)] = 5.f;
+    x[static_cast<size_t>(hi)] = 5.f;  // a tie: the lower index wins
+    EXPECT_EQ(moe::cpu::argmax(x.data(), n), std::min(hi, lo)) << n;
+    EXPECT_EQ(moe::cpu::first_non_finite(x.data(), n), -1) << n;
+    for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+      std::vector<float> y = x;
+      y[static_cast<size_t>(n - 1)] = bad;
+      if (n > 2) y[static_cast<size_t>(n / 2)] = bad;
+      EXPECT_EQ(moe::cpu::first_non_finite(y.data(), n), n > 2 ? n / 2 : n - 1) << n;
+    }
+  }
+}
+
 TEST(CpuOps, RmsNormUsesTheMeanSquare) {
   std::vector<float> x = {1.f, -2.f, 3.f, 4.f}, w = {1.f, 0.5f, 2.f, 1.f}, y(4);
   moe::cpu::rms_norm(x.data(), w.data(), y.data(), 4, 1e-6f);
