@@ -56,7 +56,8 @@ TEST(GgufParse, FixtureTypesMatchTheFixtureReadme) {
   // FIXTURES.md: Q4_K_M file has F32 x11, Q4_K x8, Q5_K x2, Q6_K x2, Q8_0 x4; Q8_0 file F32 x11, Q8_0 x16.
   auto count = [](const std::string& p) {
     std::map<std::string, int> c;
-    for (const auto& t : File::open(p)->tensors()) c[moe::gguf::type_name(t.type)]++;
+    const auto f = File::open(p);  // held: a range-for over a temporary's member outlives the temporary
+    for (const auto& t : f->tensors()) c[moe::gguf::type_name(t.type)]++;
     return c;
   };
   std::map<std::string, int> q4 = {{"F32", 11}, {"Q4_K", 8}, {"Q5_K", 2}, {"Q6_K", 2}, {"Q8_0", 4}};
