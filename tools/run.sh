@@ -14,6 +14,11 @@ else
     mkdir -p models
     build/bin/moe-synth -o "$model" --preset tiny --vocab tests/data/ggml-vocab-qwen2.gguf --type q4_k_m
   fi
-  [ $# -eq 0 ] && set -- --prompt "Tell me about the sea."
+  # The demo without a prompt flag gets a default prompt (`tools/run.sh`, `tools/run.sh -n 8 --json`).
+  has_prompt=0
+  for a in "$@"; do
+    case "$a" in -p|--prompt|--prompt=*|-i|--input|--input=*|--prompt-tokens|--prompt-tokens=*|--inspect|--help|-h|--version) has_prompt=1 ;; esac
+  done
+  [ $has_prompt = 0 ] && set -- "$@" --prompt "Tell me about the sea."
 fi
 exec build/bin/moe-run "$model" "$@"
