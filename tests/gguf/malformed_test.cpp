@@ -3,8 +3,7 @@
 // no signal, and no allocation beyond the file's size.
 #include <gtest/gtest.h>
 
-#include "alloc_tracker.hpp"
-#include "gguf_image.hpp"
+#include "malformed.hpp"
 #include "moe/gguf.hpp"
 
 namespace {
@@ -12,44 +11,17 @@ namespace {
 using gguf_test::Image;
 using moe::Exit;
 
-const std::string kFixture = std::string(MOE_TEST_DATA) + "/tiny-qwen3moe-q8_0.gguf";
+using gguf_test::Outcome;
 
-const std::vector<uint8_t>& fixture() {
-  static std::vector<uint8_t> b = gguf_test::read_file(kFixture);
-  return b;
-}
+const std::vector<uint8_t>& fixture() { return gguf_test::q8_fixture(); }
 
-struct Outcome {
-  bool threw = false;
-  Exit code = Exit::ok;
-  std::string message;
-  size_t largest_alloc = 0;
-};
-
-// Parses the bytes; reports the first error.
+// Parses the bytes.
 Outcome load(const std::vector<uint8_t>& bytes) {
-  Outcome o;
-  alloc_tracker::arm();
-  try {
-    moe::gguf::File::parse(bytes, "bad.gguf");
-  } catch (const moe::Error& e) {
-    o.threw = true;
-    o.code = e.code();
-    o.message = e.what();
-  }
-  o.largest_alloc = alloc_tracker::disarm();
-  return o;
+  return gguf_test::attempt([&] { moe::gguf::File::parse(bytes, "bad.gguf"); });
 }
 
 void expect_error(const std::vector<uint8_t>& bytes, Exit code, const std::string& needle) {
-  Outcome o = load(bytes);
-  ASSERT_TRUE(o.threw) << "accepted a malformed file (expected: " << needle << ")";
-  EXPECT_EQ(static_cast<int>(o.code), static_cast<int>(code)) << o.message;
-  EXPECT_NE(o.message.find(needle), std::string::npos) << "message: " << o.message;
-  EXPECT_EQ(o.message.find('\n'), std::string::npos) << "one line: " << o.message;
-  // No request is sized by an unchecked count: the largest is the index of a string array, 16 bytes
-  // (a string_view) per string that occupies at least 8 bytes of the file, so at most 2x the file.
-  EXPECT_LE(o.largest_alloc, 2 * bytes.size() + 4096) << o.message;
+  gguf_test::expect_rejected(load(bytes), bytes.size(), code, needle);
 }
 
 TEST(GgufMalformed, TheUnmodifiedFixtureLoads) {
