@@ -380,22 +380,30 @@ TEST(Generate, DumpLogitsRowsAreEveryEvaluatedPosition) {
   }
 }
 
-// A forward that raises the SIGINT flag on its n-th eval.
-class Interrupting : public Forward {
+// A "GPU" that wraps another forward; subclasses change eval().
+class Wrapping : public Forward {
  public:
-  Interrupting(std::unique_ptr<Forward> in, int at) : in_(std::move(in)), at_(at) {}
-  void eval(std::span<const int32_t> t, bool all, std::vector<float>& l) override {
-    if (++calls_ == at_) run::request_interrupt();
-    in_->eval(t, all, l);
-  }
+  explicit Wrapping(std::unique_ptr<Forward> in) : in_(std::move(in)) {}
   int64_t n_past() const override { return in_->n_past(); }
   int64_t n_ctx() const override { return in_->n_ctx(); }
   int64_t n_vocab() const override { return in_->n_vocab(); }
   void reset() override { in_->reset(); }
   std::string name() const override { return "cuda"; }
 
- private:
+ protected:
   std::unique_ptr<Forward> in_;
+};
+
+// A forward that raises the SIGINT flag on its n-th eval.
+class Interrupting : public Wrapping {
+ public:
+  Interrupting(std::unique_ptr<Forward> in, int at) : Wrapping(std::move(in)), at_(at) {}
+  void eval(std::span<const int32_t> t, bool all, std::vector<float>& l) override {
+    if (++calls_ == at_) run::request_interrupt();
+    in_->eval(t, all, l);
+  }
+
+ private:
   int at_;
   int calls_ = 0;
 };
@@ -483,21 +491,15 @@ TEST(Generate, NonFiniteCpuLogitsAreAnInferenceError) {
 namespace {
 
 // Wraps a forward and, once `from` positions are in its cache, makes `boost` the clear argmax.
-class Boosting : public Forward {
+class Boosting : public Wrapping {
  public:
-  Boosting(std::unique_ptr<Forward> in, int64_t from, int32_t boost) : in_(std::move(in)), from_(from), boost_(boost) {}
+  Boosting(std::unique_ptr<Forward> in, int64_t from, int32_t boost) : Wrapping(std::move(in)), from_(from), boost_(boost) {}
   void eval(std::span<const int32_t> t, bool all, std::vector<float>& l) override {
     in_->eval(t, all, l);
     if (in_->n_past() >= from_) l[l.size() - static_cast<size_t>(in_->n_vocab()) + static_cast<size_t>(boost_)] = 1e4f;
   }
-  int64_t n_past() const override { return in_->n_past(); }
-  int64_t n_ctx() const override { return in_->n_ctx(); }
-  int64_t n_vocab() const override { return in_->n_vocab(); }
-  void reset() override { in_->reset(); }
-  std::string name() const override { return "cuda"; }
 
  private:
-  std::unique_ptr<Forward> in_;
   int64_t from_;
   int32_t boost_;
 };
