@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   const int n_eff = (len + chunk - 1) / chunk;
   const int64_t out_row = static_cast<int64_t>(t) * n_head * HD + g * G * HD;
   float* part_base = partials + (static_cast<int64_t>(t) * n_head_kv + g) * n_split * G * PS;
-  if (split < n_eff) {
+  if (split >= n_eff) return;  // a slice past the context: only the n_eff slices that run are counted
+  {
     const int c0 = split * chunk;
     const int c1 = min(len, c0 + chunk);
     const float scale = rsqrtf(static_cast<float>(HD));
@@ -180,15 +181,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
       }
     }
   }
-  if (n_split == 1) return;
+  if (n_eff == 1) return;  // the only slice wrote the output itself
   __threadfence();
   __syncthreads();
   int* counter = counters + t * n_head_kv + g;
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == n_split - 1;
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == n_eff - 1;
   __syncthreads();
   if (!last) return;
   if (threadIdx.x == 0) *counter = 0;
-  if (n_eff == 1) return;
   __threadfence();
   // weight of slice s for head h: exp(m_s - M) / L, computed once per (slice, head)
   __shared__ float fw[kMaxSplit][G];

@@ -1,6 +1,7 @@
 // Each CUDA kernel against its CPU twin on fresh random inputs (outputs poisoned with NaN first,
 // odd sizes). The twins use quant::dequantize_row for the weights and double-precision sums.
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 
 #include "gpu.hpp"
@@ -21,8 +22,11 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
+  // the K-quants run on the tensor cores by default; MOE_CUDA_TC=0 checks their SIMT kernels too
+  for (const char* tc : {"1", "0"})
   for (Type t : all_types()) {
-    SCOPED_TRACE(moe::gguf::type_name(t));
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " MOE_CUDA_TC=" << tc);
+    setenv("MOE_CUDA_TC", tc, 1);
     const int64_t cols = cols_for(t, 768), rows = 37;
     QMatrix W(t, rows, cols, rng);
     std::vector<float> x = randn(cols, rng);
@@ -34,6 +38,7 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
     for (int64_t r = 0; r < rows; ++r)
       expect_close(y[r], dot(&W.deq[r * cols], x.data(), cols), abs_dot(&W.deq[r * cols], x.data(), cols), "gemv", r);
   }
+  unsetenv("MOE_CUDA_TC");
 }
 
 TEST(CudaKernels, GemvFusedNormThreeMatricesAndAccumulate) {
@@ -198,8 +203,10 @@ TEST(CudaKernels, ExpertGateUpAndDownDecodeMatchTwin) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   const int E = 512, F = 288, X = 9, K = 3;
-  for (Type t : {Type::Q4_K, Type::Q6_K, Type::Q8_0, Type::Q5_0}) {
-    SCOPED_TRACE(moe::gguf::type_name(t));
+  for (const char* tc : {"1", "0"})
+  for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K, Type::Q8_0, Type::Q5_0}) {
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " MOE_CUDA_TC=" << tc);
+    setenv("MOE_CUDA_TC", tc, 1);
     const int Fc = static_cast<int>(cols_for(t, F));
     QMatrix G(t, X * Fc, E, rng), U(t, X * Fc, E, rng), D(t, X * E, Fc, rng);
     std::vector<float> h = randn(E, rng), x = randn(E, rng);
@@ -230,6 +237,7 @@ TEST(CudaKernels, ExpertGateUpAndDownDecodeMatchTwin) {
       expect_close(y[r], x[r] + s, sa, "down", r);
     }
   }
+  unsetenv("MOE_CUDA_TC");
 }
 
 TEST(CudaKernels, GroupedExpertGemmsMatchPerTokenTwin) {

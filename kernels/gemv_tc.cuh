@@ -1,0 +1,31 @@
+// Host entry points of the tensor-core decode GEMVs (gemv_tc.cu), used by gemv.cu for the K-quant
+// types. Plain C++.
+#pragma once
+#include "launch.cuh"
+
+namespace moe::cuda::k {
+
+// Q4_K, Q5_K and Q6_K have tensor-core GEMVs (rows of a multiple of 256 elements by construction).
+bool tc_type(uint32_t type);
+// MOE_CUDA_TC=0 sends every type through the SIMT kernels (read at each call: tests compare both).
+bool tc_enabled();
+
+struct TcGemvArgs {
+  GemvOut outs[3];
+  int tiles_before[4];  // prefix sums of the 16-row tiles of each matrix
+  int n_outs;
+  const float* x;
+  const float* norm_w;
+  float eps;
+  int cols;
+  int accumulate;
+};
+
+cudaError_t tc_init();
+cudaError_t tc_gemv(const TcGemvArgs& a, cudaStream_t s);
+cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
+                       cudaStream_t s);
+cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
+                    cudaStream_t s);
+
+}  // namespace moe::cuda::k
