@@ -1,18 +1,41 @@
-// Prefill matrix products: 64x64 output tiles, weights dequantized into shared memory 32 columns at a
-// time, fp32 FMA (the same arithmetic as the CPU's exact mode, so the F2 guard compares like with
-// like). The grouped form runs every expert over the tokens routed to it; the gate/up form keeps
-// both products of a tile and writes silu(gate) * up.
+// Prefill matrix products on the tensor cores. A block owns a tile of weight rows x tokens and walks
+// the columns 32 at a time: all its threads dequantize the next 32-column slice of its rows into
+// shared memory (one dequant32 group per row) and stage the matching activations, while the warps
+// multiply the current slice, so loads, dequantization and products overlap (two buffers, one
+// barrier per slice).
+//
+// Arithmetic: 3xTF32 on mma.sync m16n8k8. Every fp32 operand is split into a tf32 hi part and a
+// tf32 lo remainder and a product is a_hi*b_hi + a_hi*b_lo + a_lo*b_hi with fp32 accumulation; the
+// dropped a_lo*b_lo term is ~2^-22 relative, so results stay at fp32 accuracy (the kernel tests bound
+// the error by 1e-5 of sum |w*x|, and the model by the FP32 CPU reference). The tensor cores' fp32
+// accumulation truncates instead of rounding to nearest, and chained over K/8 steps that bias adds
+// up; so each 32-column slice is summed in fresh registers (a chain of 12 mma) and added to the
+// running total with an ordinary round-to-nearest fp32 add.
+//
+// The grouped form runs every expert over the tokens routed to it; the gate/up form stacks the
+// gate and up rows of a tile (same rows, same tokens, one warp holding both) and writes
+// silu(gate) * up.
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace moe::cuda::k {
 using namespace dev;
 
 namespace {
 
-constexpr int BM = 64, BN = 64, BK = 32, NT = 256, LD = BM + 4;
+// Columns per k-slice: one dequant32 group per row, and cols is always a multiple of 32 (no tail).
+constexpr int BK = 32;
+// Row pitch (floats) of a weight row in shared memory. Lane (g, t) reads float4s at row g, column
+// 8t (+4); with a pitch of 36 (= 9 float4s) the 8 lanes of a quarter-warp hit 8 different 16-byte
+// bank groups, and so do the dequantizing threads, each storing one row.
+constexpr int LDA = BK + 4;
+// An activation row holds 32 tf32 hi words, then 32 tf32 lo words (split once when staged rather
+// than by every warp that reads it), padded like LDA for the same conflict-free float4 reads.
+constexpr int LDX = 2 * BK + 4;
 
 struct GemmArgs {
   Mat W, W2;
+  int be, bb, be2, bb2;   // elements and bytes per quant block of W and W2 (for the L1 prefetch)
   const float* X;
   int x_stride;
   const int32_t* x_rows;  // slot -> X row (nullptr: the slot itself)
@@ -21,104 +44,341 @@ struct GemmArgs {
   int accumulate;
   int n_tok;              // dense: token count
   const int* count;       // grouped: tokens per expert (nullptr: dense)
+  int n_expert;           // grouped
   const int* offset;
 };
 
+// Block shape: WM x WN warps, each owning 2 m16 tiles (32 virtual rows) x NJ n8 tiles (8 NJ tokens).
+// Virtual rows are weight rows; for gate/up the first BM are gate rows and the next BM the same up
+// rows, and a warp's first m16 tile is gate, its second the matching up tile.
+template <int WM_, int WN_, int NJ_, bool GROUPED_, bool GATEUP_, int MIN_BLOCKS_>
+struct Shape {
+  static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MIN_BLOCKS = MIN_BLOCKS_;
+  static constexpr bool GROUPED = GROUPED_, GATEUP = GATEUP_;
+  static constexpr int MT = 2;                  // m16 tiles per warp
+  static constexpr int H = GATEUP ? MT / 2 : MT;  // m16 tiles per warp per matrix
+  static constexpr int THREADS = 32 * WM * WN;
+  static constexpr int BMV = 16 * MT * WM;        // virtual rows per block
+  static constexpr int BM = GATEUP ? BMV / 2 : BMV;  // weight rows per block
+  static constexpr int BN = 8 * NJ * WN;          // tokens per block
+  static constexpr int A_FLOATS = BMV * LDA, X_FLOATS = BN * LDX, STAGE = A_FLOATS + X_FLOATS;
+  static constexpr int X_JOBS = BN * BK / 4;      // float4 chunks of activations per slice
+  static constexpr int X_PER = X_JOBS / THREADS;
+  // Two stages plus the landing area of the raw activations (cp.async, each thread its own chunks).
+  static constexpr size_t SMEM = (2 * STAGE + 4 * X_JOBS) * sizeof(float);
+  static_assert(BMV <= THREADS, "one dequantized row per thread at most");
+  static_assert(X_JOBS % THREADS == 0, "activation chunks spread evenly");
+};
+
+// gate/up: 128 rows x 32 tokens (the typical expert load of a 512-token prefill is ~32 tokens).
+using ShapeGateUp = Shape<8, 1, 4, true, true, 2>;
+// down: 256 rows x 32 tokens.
+using ShapeDown = Shape<8, 1, 4, true, false, 2>;
+// dense, many tiles: 128 rows x 64 tokens (half the dequantization per product of ShapeDown).
+using ShapeWide = Shape<4, 2, 4, false, false, 2>;
+// dense, otherwise (at 512 tokens: k, v, o, router): 64 rows x 32 tokens, 4 warps, 4x the blocks of
+// ShapeWide so that the grid fills the GPU.
+using ShapeSmall = Shape<2, 2, 2, false, false, 4>;
+
+// Dequantizes group g of a row into 32 consecutive floats of shared memory.
 template <uint32_t T>
-__device__ __forceinline__ void deq_col(const uint8_t* row, int g, float* col) {
+__device__ __forceinline__ void deq_row(const uint8_t* row, int g, float* dst) {
   float v[32];
   dequant32<T>(row, g, v);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) col[i * LD] = v[i];
+  for (int c = 0; c < 8; ++c)
+    *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
 }
 
-template <bool GATEUP>
-__global__ void __launch_bounds__(NT) gemm_kernel(GemmArgs a) {
-  __shared__ __align__(16) float Ws[GATEUP ? 2 : 1][BK][LD];
-  __shared__ __align__(16) float Xs[BK][BN + 4];
-  const int e = blockIdx.z;
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Asks L1 for the quant blocks that dequant32(row, g) reads: the block(s) holding elements
+// [32g, 32g+32). A hint only; the data are read normally later.
+__device__ __forceinline__ void prefetch_group(const uint8_t* row, int be, int bb, int g) {
+  const int64_t start = static_cast<int64_t>(32 * g / be) * bb;
+  const int64_t len = static_cast<int64_t>(be < 32 ? 32 / be : 1) * bb;
+  uintptr_t p = reinterpret_cast<uintptr_t>(row + start) & ~static_cast<uintptr_t>(127);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + start + len);
+  for (; p < end; p += 128) asm volatile("prefetch.L1 [%0];" ::"l"(p));
+}
+
+// One output tile: weight rows [row_tile * BM, +BM) x tokens [tok_tile * BN, +BN) of expert e (of the
+// dense matrix for shapes that are not grouped). Every thread of the block calls it (it has barriers).
+template <class S>
+__device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int row_tile, int tok_tile, int e) {
   int cnt = a.n_tok, off = 0;
   const uint8_t* w1 = a.W.data;
   const uint8_t* w2 = a.W2.data;
-  if (a.count) {
+  if constexpr (S::GROUPED) {
     cnt = a.count[e];
     off = a.offset[e];
     w1 += e * a.W.expert_stride;
-    if (GATEUP) w2 += e * a.W2.expert_stride;
+    if (S::GATEUP) w2 += e * a.W2.expert_stride;
   }
-  const int tok0 = blockIdx.y * BN;
+  const int tok0 = tok_tile * S::BN;
   if (tok0 >= cnt) return;
-  const int row0 = blockIdx.x * BM;
-  const int rows = a.W.rows, cols = a.W.cols;
-  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int row0 = row_tile * S::BM;
+  const int rows = a.W.rows, n_k = a.W.cols / BK;
+  // What the epilogue needs waits in shared memory rather than in registers through the main loop
+  // (read after the prologue's barrier; the caller's barrier keeps the next tile from overwriting it).
+  __shared__ int epi[4];
+  if (threadIdx.x == 0) {
+    epi[0] = row0;
+    epi[1] = rows - row0;  // valid rows in the tile
+    epi[2] = off + tok0;   // output row of the tile's first token
+    epi[3] = cnt - tok0;   // valid tokens in the tile
+  }
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = S::WN == 1 ? warp : warp % S::WM, wn = S::WN == 1 ? 0 : warp / S::WM;
 
-  // this thread's X row for the tile loads
-  const int xi = tid >> 2, xq = tid & 3;
-  const float* xrow = nullptr;
-  if (tok0 + xi < cnt) {
-    const int slot = off + tok0 + xi;
-    xrow = a.X + static_cast<int64_t>(a.x_rows ? a.x_rows[slot] : slot) * a.x_stride;
+  // Dequantization role: thread tid < BMV owns virtual row tid (nullptr past the last weight row).
+  // Here and below, values that are cheap to re-derive (from tid or the kernel parameters) are
+  // re-derived where used: the main loop must fit in 128 registers for two blocks per SM.
+  const bool second = S::GATEUP && tid >= S::BM;
+  const uint8_t* drow = nullptr;
+  if (tid < S::BMV) {
+    const int r = second ? tid - S::BM : tid;
+    if (row0 + r < rows)
+      drow = (second ? w2 : w1) + static_cast<int64_t>(row0 + r) * (second ? a.W2.row_stride : a.W.row_stride);
+  }
+  auto stage_a = [&](int kt, float* As) {
+    if (tid >= S::BMV) return;
+    float* dst = As + tid * LDA;
+    if (drow) {
+      MOE_DISPATCH_TYPE(second ? a.W2.type : a.W.type, deq_row, drow, kt, dst);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  auto prefetch_a = [&](int kt) {
+    if (drow) prefetch_group(drow, second ? a.be2 : a.be, second ? a.bb2 : a.bb, kt);
+  };
+
+  // Activation role: X_PER float4 chunks (token n = job / 8, chunk c = job % 8) of each slice, from
+  // X row xrow[q] (-1 past the token count). They land by cp.async in this thread's own slots (so no
+  // barrier is needed between landing and reading them), then are split into tf32 hi/lo and stored
+  // for the warps.
+  int xrow[S::X_PER];
+#pragma unroll
+  for (int q = 0; q < S::X_PER; ++q) {
+    const int n = (tid + q * S::THREADS) >> 3;
+    xrow[q] = -1;
+    if (tok0 + n < cnt) {
+      const int slot = off + tok0 + n;
+      xrow[q] = a.x_rows ? a.x_rows[slot] : slot;
+    }
+  }
+  float* xland = smem + 2 * S::STAGE + 4 * tid;
+  auto fetch_x = [&](int kt) {
+#pragma unroll
+    for (int q = 0; q < S::X_PER; ++q)
+      if (xrow[q] >= 0)
+        cp_async16(xland + 4 * q * S::THREADS,
+                   a.X + static_cast<int64_t>(xrow[q]) * a.x_stride + kt * BK + 4 * (tid & 7));
+    cp_async_commit();
+  };
+  auto store_x = [&](float* Xs) {
+    cp_async_wait_all();
+#pragma unroll
+    for (int q = 0; q < S::X_PER; ++q) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (xrow[q] >= 0) v = *reinterpret_cast<const float4*>(xland + 4 * q * S::THREADS);
+      uint4 hi, lo;
+      split_tf32(v.x, hi.x, lo.x);
+      split_tf32(v.y, hi.y, lo.y);
+      split_tf32(v.z, hi.z, lo.z);
+      split_tf32(v.w, hi.w, lo.w);
+      const int job = tid + q * S::THREADS, dst = (job >> 3) * LDX + 4 * (job & 7);
+      *reinterpret_cast<uint4*>(Xs + dst) = hi;
+      *reinterpret_cast<uint4*>(Xs + dst + BK) = lo;
+    }
+  };
+
+  // Warp tile: virtual rows vrow(i) + [0, 16) for m16 tile i, tokens nb + [0, 8 NJ). n8 tiles wholly
+  // past the token count are skipped (their activations are zero anyway): experts often fill only
+  // part of a tile.
+  const int nb = wn * 8 * S::NJ;
+  const int rem = cnt - tok0 - nb;
+  const int nj = rem <= 0 ? 0 : min(S::NJ, (rem + 7) >> 3);
+  auto vrow = [](int wm_, int i) { return (i / S::H) * S::BM + wm_ * 16 * S::H + 16 * (i % S::H); };
+
+  float acc[S::MT][S::NJ][4];
+#pragma unroll
+  for (int i = 0; i < S::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+  fetch_x(0);
+  if (n_k > 1) prefetch_a(1);
+  stage_a(0, smem);
+  store_x(smem + S::A_FLOATS);
+  __syncthreads();
+
+  for (int kt = 0; kt < n_k; ++kt) {
+    float* cur = smem + (kt & 1) * S::STAGE;
+    float* nxt = smem + ((kt + 1) & 1) * S::STAGE;
+    const bool more = kt + 1 < n_k;
+    if (more) {
+      fetch_x(kt + 1);
+      if (kt + 2 < n_k) prefetch_a(kt + 2);
+    }
+
+    // The slice's products, summed apart from acc (see the top comment).
+    float part[S::MT][S::NJ][4];
+#pragma unroll
+    for (int i = 0; i < S::MT; ++i)
+#pragma unroll
+      for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
+
+    // k order within a slice: mma step s (0..3) pairs its k indices t and t+4 with columns 8t+2s and
+    // 8t+2s+1 (for A and B alike, so the sum is unchanged); a lane then finds steps 2h and 2h+1 in
+    // one float4 at column 8t+4h of its rows.
+    const float* As = cur;
+    const float* Xs = cur + S::A_FLOATS;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t ahi[S::MT][2][4], alo[S::MT][2][4];  // [m16 tile][step 2h + s2][a0..a3]
+#pragma unroll
+      for (int i = 0; i < S::MT; ++i) {
+        const float* p = As + (vrow(wm, i) + g) * LDA + 8 * t + 4 * h;
+        const float4 r0 = *reinterpret_cast<const float4*>(p);            // row g
+        const float4 r1 = *reinterpret_cast<const float4*>(p + 8 * LDA);  // row g + 8
+        split_tf32(r0.x, ahi[i][0][0], alo[i][0][0]);
+        split_tf32(r1.x, ahi[i][0][1], alo[i][0][1]);
+        split_tf32(r0.y, ahi[i][0][2], alo[i][0][2]);
+        split_tf32(r1.y, ahi[i][0][3], alo[i][0][3]);
+        split_tf32(r0.z, ahi[i][1][0], alo[i][1][0]);
+        split_tf32(r1.z, ahi[i][1][1], alo[i][1][1]);
+        split_tf32(r0.w, ahi[i][1][2], alo[i][1][2]);
+        split_tf32(r1.w, ahi[i][1][3], alo[i][1][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < S::NJ; ++j) {
+        if (j >= nj) break;
+        const float* q = Xs + (nb + 8 * j + g) * LDX + 8 * t + 4 * h;
+        const uint4 bh = *reinterpret_cast<const uint4*>(q);       // token g, tf32 hi
+        const uint4 bl = *reinterpret_cast<const uint4*>(q + BK);  // token g, tf32 lo
+#pragma unroll
+        for (int i = 0; i < S::MT; ++i) {
+          mma_3xtf32(part[i][j], ahi[i][0], alo[i][0], bh.x, bh.y, bl.x, bl.y);
+          mma_3xtf32(part[i][j], ahi[i][1], alo[i][1], bh.z, bh.w, bl.z, bl.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < S::MT; ++i)
+#pragma unroll
+      for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][j][c] += part[i][j][c];
+
+    if (more) {
+      stage_a(kt + 1, nxt);
+      store_x(nxt + S::A_FLOATS);
+      __syncthreads();
+    }
   }
 
-  float acc[GATEUP ? 2 : 1][4][4] = {};
-  for (int k0 = 0; k0 < cols; k0 += BK) {
-    if (tid < (GATEUP ? 2 * BM : BM)) {
-      const int which = tid / BM, r = tid % BM;
-      float* col = &Ws[which][0][r];
-      if (row0 + r < rows) {
-        const Mat& M = which ? a.W2 : a.W;
-        const uint8_t* row = (which ? w2 : w1) + static_cast<int64_t>(row0 + r) * M.row_stride;
-        MOE_DISPATCH_TYPE(M.type, deq_col, row, k0 >> 5, col);
-      } else {
+  // c0..c3 of tile (i, j): rows g, g, g+8, g+8 and tokens 2t, 2t+1, 2t, 2t+1 of the tile.
+  const int e_row0 = epi[0], e_rows = epi[1], e_slot0 = epi[2], e_toks = epi[3];
 #pragma unroll
-        for (int i = 0; i < BK; ++i) col[i * LD] = 0.f;
+  for (int i = 0; i < S::H; ++i) {
+    const int rt = wm * 16 * S::H + 16 * i + g;  // row within the tile
+#pragma unroll
+    for (int j = 0; j < S::NJ; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int r = rt + 8 * (c >> 1);
+        const int tk = nb + 8 * j + 2 * t + (c & 1);  // token within the tile
+        if (r >= e_rows || tk >= e_toks) continue;
+        float val;
+        if constexpr (S::GATEUP) {
+          const float gv = acc[i][j][c];
+          val = gv / (1.f + expf(-gv)) * acc[i + S::H][j][c];
+        } else {
+          val = acc[i][j][c];
+        }
+        float* y = a.Y + static_cast<int64_t>(e_slot0 + tk) * a.y_stride + e_row0 + r;
+        *y = a.accumulate ? *y + val : val;
       }
-    }
-    {
-      float4 u = make_float4(0.f, 0.f, 0.f, 0.f), v = u;
-      if (xrow) {
-        u = *reinterpret_cast<const float4*>(xrow + k0 + 8 * xq);
-        v = *reinterpret_cast<const float4*>(xrow + k0 + 8 * xq + 4);
-      }
-      Xs[8 * xq + 0][xi] = u.x; Xs[8 * xq + 1][xi] = u.y; Xs[8 * xq + 2][xi] = u.z; Xs[8 * xq + 3][xi] = u.w;
-      Xs[8 * xq + 4][xi] = v.x; Xs[8 * xq + 5][xi] = v.y; Xs[8 * xq + 6][xi] = v.z; Xs[8 * xq + 7][xi] = v.w;
-    }
-    __syncthreads();
-#pragma unroll 8
-    for (int k = 0; k < BK; ++k) {
-      const float4 b = *reinterpret_cast<const float4*>(&Xs[k][ty * 4]);
-      const float bb[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int w = 0; w < (GATEUP ? 2 : 1); ++w) {
-        const float4 av = *reinterpret_cast<const float4*>(&Ws[w][k][tx * 4]);
-        const float aa[4] = {av.x, av.y, av.z, av.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc[w][i][j] = fmaf(aa[i], bb[j], acc[w][i][j]);
-      }
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int tk = tok0 + ty * 4 + j;
-    if (tk >= cnt) continue;
-    float* y = a.Y + static_cast<int64_t>(off + tk) * a.y_stride;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row0 + tx * 4 + i;
-      if (r >= rows) continue;
-      float val;
-      if constexpr (GATEUP) {
-        const float g = acc[0][i][j];
-        val = g / (1.f + expf(-g)) * acc[1][i][j];
-      } else {
-        val = acc[0][i][j];
-      }
-      y[r] = a.accumulate ? y[r] + val : val;
     }
   }
+}
+
+// Dense: one tile per block (grid rows x tokens). Grouped: the token tiles of the experts are known
+// only on the device, so a grid sized for what is resident walks the list of (expert, token tile,
+// row tile) work items instead of launching max_count / BN tiles for every expert, most of which
+// would be empty blocks. Consecutive items share the expert and token tile, so the activations they
+// read are hot in L2.
+template <class S>
+__global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) gemm_kernel(GemmArgs a) {
+  extern __shared__ __align__(16) float smem[];
+  if constexpr (!S::GROUPED) {
+    gemm_tile<S>(a, smem, blockIdx.x, blockIdx.y, 0);
+  } else {
+    const int row_tiles = (a.W.rows + S::BM - 1) / S::BM;
+    int e = 0, first = 0;  // expert e's items are [first, first + its item count)
+    for (int w = blockIdx.x;; w += gridDim.x) {
+      // Items only grow, so the walk over the experts resumes where the previous one stopped.
+      while (e < a.n_expert) {
+        const int items = (a.count[e] + S::BN - 1) / S::BN * row_tiles;
+        if (w < first + items) break;
+        first += items;
+        ++e;
+      }
+      if (e == a.n_expert) return;
+      const int rem = w - first;
+      gemm_tile<S>(a, smem, rem % row_tiles, rem / row_tiles, e);
+      __syncthreads();  // the next tile's prologue overwrites the stage the slowest warps may still read
+    }
+  }
+}
+
+// Elements and bytes per quant block, for prefetch_group.
+void set_geometry(const Mat& M, int& be, int& bb) {
+  be = static_cast<int>(layout::block_elems(M.type));
+  bb = static_cast<int>(layout::dev_block_bytes(M.type));
+  if (be == 0) be = 1;  // unsupported types are rejected on the host; keep the arithmetic defined
+}
+
+template <class S>
+cudaError_t launch(const GemmArgs& a, int row_tiles, int tok_tiles, int n_expert, cudaStream_t s) {
+  if (row_tiles <= 0 || tok_tiles <= 0 || n_expert <= 0) return cudaSuccess;
+  // Once per instantiation: allow the dynamic shared memory above the default 48 KiB.
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(gemm_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::SMEM));
+  if (attr != cudaSuccess) return attr;
+  dim3 grid(row_tiles, tok_tiles, 1);
+  if (S::GROUPED) {
+    // Grouped: as many blocks as fit on the GPU at once (so none waits for a second wave), and no
+    // more than there can be work items.
+    static int per_sm = 0;
+    static const cudaError_t occ =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_kernel<S>, S::THREADS, S::SMEM);
+    if (occ != cudaSuccess) return occ;
+    const int64_t items = static_cast<int64_t>(row_tiles) * tok_tiles * n_expert;
+    const int64_t resident = static_cast<int64_t>(per_sm > 0 ? per_sm : 1) * sm_count();
+    grid = dim3(static_cast<unsigned>(items < resident ? items : resident), 1, 1);
+  }
+  gemm_kernel<S><<<grid, S::THREADS, S::SMEM, s>>>(a);
+  return cudaGetLastError();
+}
+
+template <class S>
+int tiles(int n, bool rows_dim) {
+  const int b = rows_dim ? S::BM : S::BN;
+  return (n + b - 1) / b;
 }
 
 }  // namespace
@@ -127,15 +387,19 @@ cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y
                  cudaStream_t s) {
   GemmArgs a{};
   a.W = W;
+  set_geometry(W, a.be, a.bb);
   a.X = X;
   a.x_stride = x_stride;
   a.Y = Y;
   a.y_stride = y_stride;
   a.accumulate = accumulate;
   a.n_tok = n_tok;
-  dim3 grid((W.rows + BM - 1) / BM, (n_tok + BN - 1) / BN, 1);
-  gemm_kernel<false><<<grid, NT, 0, s>>>(a);
-  return cudaGetLastError();
+  // The wide tile does half the dequantization per product, but only pays off with enough tiles to
+  // keep every SM busy (~1.5 blocks each); otherwise the small tile's 4x more blocks win.
+  const int wide = tiles<ShapeWide>(W.rows, true) * tiles<ShapeWide>(n_tok, false);
+  if (2 * wide >= 3 * sm_count())
+    return launch<ShapeWide>(a, tiles<ShapeWide>(W.rows, true), tiles<ShapeWide>(n_tok, false), 1, s);
+  return launch<ShapeSmall>(a, tiles<ShapeSmall>(W.rows, true), tiles<ShapeSmall>(n_tok, false), 1, s);
 }
 
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
@@ -144,6 +408,8 @@ cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, i
   GemmArgs a{};
   a.W = G;
   a.W2 = U;
+  set_geometry(G, a.be, a.bb);
+  set_geometry(U, a.be2, a.bb2);
   a.X = h;
   a.x_stride = h_stride;
   a.x_rows = token_of_slot;
@@ -151,24 +417,24 @@ cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, i
   a.y_stride = G.rows;
   a.count = count;
   a.offset = offset;
-  dim3 grid((G.rows + BM - 1) / BM, (max_count + BN - 1) / BN, n_expert);
-  gemm_kernel<true><<<grid, NT, 0, s>>>(a);
-  return cudaGetLastError();
+  a.n_expert = n_expert;
+  return launch<ShapeGateUp>(a, tiles<ShapeGateUp>(G.rows, true), tiles<ShapeGateUp>(max_count, false), n_expert,
+                             s);
 }
 
 cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
                                 int max_count, float* out, cudaStream_t s) {
   GemmArgs a{};
   a.W = D;
+  set_geometry(D, a.be, a.bb);
   a.X = act;
   a.x_stride = D.cols;
   a.Y = out;
   a.y_stride = D.rows;
   a.count = count;
   a.offset = offset;
-  dim3 grid((D.rows + BM - 1) / BM, (max_count + BN - 1) / BN, n_expert);
-  gemm_kernel<false><<<grid, NT, 0, s>>>(a);
-  return cudaGetLastError();
+  a.n_expert = n_expert;
+  return launch<ShapeDown>(a, tiles<ShapeDown>(D.rows, true), tiles<ShapeDown>(max_count, false), n_expert, s);
 }
 
 }  // namespace moe::cuda::k
