@@ -128,10 +128,23 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
         q[h][d] = qs[h][lane * D + d];
       }
     }
-    for (int p = c0 + warp; p < c1; p += kAttnWarps) {
-      float kf[D], vf[D];
-      load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kf);
-      load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vf);
+    // positions c0 + warp + kAttnWarps * i, four at a time: their K/V loads are in flight together
+    constexpr int U = 4;
+    for (int p0 = c0 + warp; p0 < c1; p0 += U * kAttnWarps) {
+      float kfu[U][D], vfu[U][D];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int p = p0 + u * kAttnWarps;
+        if (p < c1) {
+          load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kfu[u]);
+          load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vfu[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+      if (p0 + u * kAttnWarps >= c1) break;
+      const float(&kf)[D] = kfu[u];
+      const float(&vf)[D] = vfu[u];
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         float s = 0.f;
@@ -145,6 +158,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
 #pragma unroll
         for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
         m[h] = mn;
+      }
       }
     }
 #pragma unroll

@@ -161,6 +161,52 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
   __syncwarp();
 }
 
+// The same choice by a whole block (any blockDim, a multiple of 32): probabilities as the warp
+// version, then each expert's rank counted in parallel (ties to the lower id), so the k picks cost one
+// pass instead of k. prob holds the n logits on entry (shared memory) and their probabilities after.
+// ids/weights get the k experts in rank order.
+__device__ __forceinline__ void softmax_topk_block(float* prob, int n, int k, int32_t* ids, float* weights,
+                                                   float* red) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float mx = -INFINITY;
+    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, prob[i]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      const float p = expf(prob[i] - mx);
+      prob[i] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    const float inv = 1.f / sum;
+    for (int i = lane; i < n; i += 32) prob[i] *= inv;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float p = prob[i];
+    int rank = 0;
+    for (int j = 0; j < n; ++j) {
+      const float q = prob[j];
+      rank += (q > p) || (q == p && j < i);
+    }
+    if (rank < k) {
+      ids[rank] = i;
+      weights[rank] = p;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int j = 0; j < k; ++j) s += weights[j];
+    red[0] = fmaxf(s, 6.103515625e-5f);
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < k) weights[threadIdx.x] = weights[threadIdx.x] / red[0];
+  __syncthreads();
+}
+
 }  // namespace moe::cuda::dev
 
 namespace moe::cuda::k {

@@ -421,10 +421,9 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __res
   __syncthreads();
   if (!last) return;
   __threadfence();
-  float* logits = smem;  // R.rows floats, then R.rows floats of probabilities
+  float* logits = smem;  // R.rows floats
   for (int i = threadIdx.x; i < R.rows; i += blockDim.x) logits[i] = __ldcg(scratch + i);
-  __syncthreads();
-  if (threadIdx.x < 32) softmax_topk_warp(logits, R.rows, n_used, ids, weights, logits + R.rows);
+  softmax_topk_block(logits, R.rows, n_used, ids, weights, red);
   if (threadIdx.x == 0) *counter = 0;
 }
 
@@ -628,7 +627,7 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
 cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, int n_used, float* h_out,
                         float* scratch, int* counter, int32_t* ids, float* weights, cudaStream_t s) {
   if (cudaError_t e = ensure_init()) return e;
-  const size_t smem = static_cast<size_t>(2 * R.rows) * sizeof(float);
+  const size_t smem = static_cast<size_t>(R.rows) * sizeof(float);
   return launch_pdl(route_kernel, dim3(R.rows), dim3(kRouteThreads), smem, s, x, norm_w, eps, R, n_used, h_out, scratch,
                     counter, ids, weights);
 }
