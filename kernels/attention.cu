@@ -243,6 +243,214 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   }
 }
 
+// Per-head RMSNorm (gain) and NEOX RoPE of `in` (hd floats) by one warp; out = result * out_scale.
+__device__ void norm_rope_warp(const float* in, const float* gain, int hd, int pos, float eps, const Rope& rope,
+                               float out_scale, float* out) {
+  const int lane = threadIdx.x & 31, half_d = hd / 2;
+  float ss = 0.f;
+  for (int i = lane; i < hd; i += 32) {
+    const float v = __ldcg(in + i);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  const float scale = rsqrtf(ss / static_cast<float>(hd) + eps);
+  for (int i = lane; i < half_d; i += 32) {
+    const float a = __ldcg(in + i) * scale * gain[i], b = __ldcg(in + i + half_d) * scale * gain[i + half_d];
+    float theta = static_cast<float>(pos);
+    for (int j = 0; j < i; ++j) theta *= rope.theta_scale;
+    float th = theta * rope.freq_scale;
+    if (rope.yarn) {
+      const float y = (static_cast<float>(i) - rope.corr_lo) / fmaxf(0.001f, rope.corr_hi - rope.corr_lo);
+      const float ramp = 1.f - fminf(1.f, fmaxf(0.f, y));
+      th = th * (1.f - ramp) + theta * ramp;
+    }
+    double sd, cd;
+    sincos(static_cast<double>(th), &sd, &cd);
+    const float c = static_cast<float>(cd) * rope.mscale, s = static_cast<float>(sd) * rope.mscale;
+    out[i] = (a * c - b * s) * out_scale;
+    out[i + half_d] = (a * s + b * c) * out_scale;
+  }
+}
+
+// Decode attention with the per-head Q/K norm, RoPE and KV store fused in: block (kv head g, slice sp)
+// of the one new token at position pos0[0]. Every block normalises and rotates the query heads of g
+// itself; slice 0 writes this position's K and V to the cache, and the slice that covers the position
+// takes them from shared memory (fp16-rounded like the cache), so no block reads a cache row being
+// written. Slices merge as in attention_kernel. Block: kDecWarps warps; dynamic shared memory
+// dec_smem_floats(G, HD) floats.
+constexpr int kDecWarps = 8;
+constexpr int dec_smem_floats(int G, int HD) { return G * HD + 2 * HD + 2 * kDecWarps * G + kDecWarps * G * HD; }
+
+template <int D, int G>
+__global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const float* __restrict__ qkv,
+                                                                          const int32_t* pos0, const float* q_norm,
+                                                                          const float* k_norm, float eps, Rope rope,
+                                                                          __half* kc, __half* vc, int n_head_kv,
+                                                                          int n_split, float* partials,
+                                                                          int* counters, float* out_all) {
+  constexpr int HD = D * 32, PS = HD + 2, kWarps = kDecWarps;
+  extern __shared__ float sm[];
+  const int g = blockIdx.x, sp = blockIdx.y;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
+  pdl_sync();
+  const int pos = pos0[0];
+  const int len = pos + 1;
+  int chunk = (len + n_split - 1) / n_split;
+  if (n_split > 1 && chunk < kMinChunk) chunk = kMinChunk;
+  const int n_eff = (len + chunk - 1) / chunk;
+  if (sp >= n_eff) return;  // uniform over the block
+  float* qs = sm;                   // [G][HD], scaled by 1/sqrt(HD)
+  float* kn = qs + G * HD;          // this position's K and V (fp16-rounded, as the cache holds them)
+  float* vn = kn + HD;
+  float* wm = vn + HD;              // [kWarps][G]
+  float* wl = wm + kWarps * G;      // [kWarps][G]
+  float* wacc = wl + kWarps * G;    // [kWarps][G][HD]
+  __shared__ bool last;
+  const float* row = qkv;
+  for (int h = warp; h < G; h += kWarps)
+    norm_rope_warp(row + (g * G + h) * HD, q_norm, HD, pos, eps, rope, rsqrtf(static_cast<float>(HD)), qs + h * HD);
+  if (warp == kWarps - 1) {
+    norm_rope_warp(row + q_dim + g * HD, k_norm, HD, pos, eps, rope, 1.f, kn);
+    __syncwarp();
+    for (int i = lane; i < HD; i += 32) {
+      const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(__ldcg(row + q_dim + kv_dim + g * HD + i));
+      kn[i] = __half2float(kh);
+      vn[i] = __half2float(vh);
+      if (sp == 0) {
+        kc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = kh;
+        vc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = vh;
+      }
+    }
+  }
+  __syncthreads();
+  const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
+  float m[G], l[G], acc[G][D], q[G][D];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      acc[h][d] = 0.f;
+      q[h][d] = qs[h * HD + lane * D + d];
+    }
+  }
+  // positions c0 + warp + kWarps * i, four at a time: their K/V loads are in flight together
+  constexpr int U = 4;
+  for (int p0 = c0 + warp; p0 < c1; p0 += U * kWarps) {
+    float kfu[U][D], vfu[U][D];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = p0 + u * kWarps;
+      if (p == pos) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          kfu[u][d] = kn[lane * D + d];
+          vfu[u][d] = vn[lane * D + d];
+        }
+      } else if (p < c1) {
+        load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kfu[u]);
+        load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vfu[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+    if (p0 + u * kWarps >= c1) break;
+    const float(&kf)[D] = kfu[u];
+    const float(&vf)[D] = vfu[u];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float s = 0.f;
+#pragma unroll
+      for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
+      s = warp_sum(s);
+      const float mn = fmaxf(m[h], s);
+      const float corr = expf(m[h] - mn);
+      const float pw = expf(s - mn);
+      l[h] = l[h] * corr + pw;
+#pragma unroll
+      for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
+      m[h] = mn;
+    }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (lane == 0) {
+      wm[warp * G + h] = m[h];
+      wl[warp * G + h] = l[h];
+    }
+#pragma unroll
+    for (int d = 0; d < D; ++d) wacc[(warp * G + h) * HD + lane * D + d] = acc[h][d];
+  }
+  __syncthreads();
+  float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
+  float* part = part_base + sp * G * PS;
+  float* out = out_all + g * G * HD;
+  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+    const int h = i / HD, d = i % HD;
+    float M = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wm[w * G + h]);
+    float Lsum = 0.f, A = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      if (wm[w * G + h] == -INFINITY) continue;
+      const float f = expf(wm[w * G + h] - M);
+      Lsum += wl[w * G + h] * f;
+      A += wacc[(w * G + h) * HD + d] * f;
+    }
+    if (n_eff == 1) {
+      out[i] = A / Lsum;
+    } else {
+      part[h * PS + d] = A;
+      if (d == 0) {
+        part[h * PS + HD] = M;
+        part[h * PS + HD + 1] = Lsum;
+      }
+    }
+  }
+  if (n_eff == 1) {
+    __syncthreads();
+    return;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counters + g, 1) == n_eff - 1;
+  __syncthreads();
+  if (!last) return;
+  if (threadIdx.x == 0) counters[g] = 0;
+  __threadfence();
+  // merge: out = Σ_s A_s exp(m_s - M) / Σ_s L_s exp(m_s - M)
+  float* fw = wacc;  // reuse: [n_eff][G] exp(m_s - M)
+  float* fM = wm;    // [G] M, then 1 / L
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i] = __ldcg(part_base + i * PS + HD);
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < G) {
+    const int h = threadIdx.x;
+    float M = -INFINITY;
+    for (int s = 0; s < n_eff; ++s) M = fmaxf(M, fw[s * G + h]);
+    fM[h] = M;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i] = expf(fw[i] - fM[i % G]);
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < G) {
+    const int h = threadIdx.x;
+    float Ls = 0.f;
+    for (int s = 0; s < n_eff; ++s) Ls = fmaf(__ldcg(part_base + (s * G + h) * PS + HD + 1), fw[s * G + h], Ls);
+    wl[h] = 1.f / Ls;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+    const int h = i / HD, d = i % HD;
+    float A = 0.f;
+    for (int s = 0; s < n_eff; ++s) A = fmaf(__ldcg(part_base + (s * G + h) * PS + d), fw[s * G + h], A);
+    out[i] = A * wl[h];
+  }
+  __syncthreads();
+}
+
+
 template <int D, int G>
 cudaError_t launch_attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* kc,
                              const void* vc, int n_head_kv, int n_split, float* partials, int* counters, float* out,
@@ -262,6 +470,31 @@ cudaError_t attention_g(int G, const float* qkv, int qkv_stride, int n, const in
     case 2: return launch_attention<D, 2>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
     case 4: return launch_attention<D, 4>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
     case 8: return launch_attention<D, 8>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <int D, int G>
+cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm,
+                                    float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split,
+                                    float* partials, int* counters, float* out, cudaStream_t s) {
+  const size_t smem = static_cast<size_t>(dec_smem_floats(G, D * 32)) * sizeof(float);
+  return launch_pdl(attention_decode_kernel<D, G>, dim3(n_head_kv, n_split), dim3(kDecWarps * 32), smem, s, qkv, pos0,
+                    q_norm, k_norm, eps, rope, static_cast<__half*>(kc), static_cast<__half*>(vc), n_head_kv, n_split,
+                    partials, counters, out);
+}
+
+template <int D>
+cudaError_t attention_decode_g(int G, const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm,
+                               float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split, float* partials,
+                               int* counters, float* out, cudaStream_t s) {
+  switch (G) {
+#define MOE_ATT_DEC(GG)                                                                                              \
+  case GG:                                                                                                           \
+    return launch_attention_decode<D, GG>(qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split, partials, \
+                                          counters, out, s);
+    MOE_ATT_DEC(1) MOE_ATT_DEC(2) MOE_ATT_DEC(4) MOE_ATT_DEC(8)
+#undef MOE_ATT_DEC
     default: return cudaErrorInvalidValue;
   }
 }
@@ -291,6 +524,19 @@ cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* po
   if (head_dim == 64)
     return attention_g<2>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, n_split, partials, counters, out, s);
   return attention_g<4>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, n_split, partials, counters, out, s);
+}
+
+cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,
+                             Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
+                             int n_split, float* partials, int* counters, float* out, cudaStream_t s) {
+  if (!attention_supported(n_head, n_head_kv, head_dim) || n_split < 1 || n_split > kMaxSplit)
+    return cudaErrorInvalidValue;
+  const int G = n_head / n_head_kv;
+  if (head_dim == 64)
+    return attention_decode_g<2>(G, qkv, pos0, q_norm, k_norm, eps, rope, k_cache, v_cache, n_head_kv, n_split,
+                                 partials, counters, out, s);
+  return attention_decode_g<4>(G, qkv, pos0, q_norm, k_norm, eps, rope, k_cache, v_cache, n_head_kv, n_split, partials,
+                               counters, out, s);
 }
 
 }  // namespace moe::cuda::k

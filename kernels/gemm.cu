@@ -12,6 +12,14 @@
 // up; so each 32-column slice is summed in fresh registers (a chain of 12 mma) and added to the
 // running total with an ordinary round-to-nearest fp32 add.
 //
+// Quant codes: for the types whose values are (small integer code) x (fp32 scale per row and 32 or
+// 16 columns) [- min per 32 columns] (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), the A tile holds the codes,
+// which tf32 holds exactly, so only the activations are split and a product takes two mma
+// (code*x_hi + code*x_lo). The slice's partial sums are then scaled per row in fp32 (per 16-column
+// half for Q6_K, whose scales change there), and for the K-quants with mins, min * (sum of the
+// slice's activations of the token) is subtracted; a slice's chain is then 8 mma (4 per Q6_K half).
+// The other types keep 3xTF32 on dequantized values.
+//
 // The grouped form runs every expert over the tokens routed to it; the gate/up form stacks the
 // gate and up rows of a tile (same rows, same tokens, one warp holding both) and writes
 // silu(gate) * up.
@@ -25,7 +33,7 @@ namespace {
 
 // Columns per k-slice: one dequant32 group per row, and cols is always a multiple of 32 (no tail).
 constexpr int BK = 32;
-// Row pitch (floats) of a weight row in shared memory. Lane (g, t) reads float4s at row g, column
+// Row pitch (floats) of a weight row in shared memory. Lane (g, t) reads float4s at row g, element
 // 8t (+4); with a pitch of 36 (= 9 float4s) the 8 lanes of a quarter-warp hit 8 different 16-byte
 // bank groups, and so do the dequantizing threads, each storing one row.
 constexpr int LDA = BK + 4;
@@ -51,17 +59,22 @@ struct GemmArgs {
 // Block shape: WM x WN warps, each owning 2 m16 tiles (32 virtual rows) x NJ n8 tiles (8 NJ tokens).
 // Virtual rows are weight rows; for gate/up the first BM are gate rows and the next BM the same up
 // rows, and a warp's first m16 tile is gate, its second the matching up tile.
-template <int WM_, int WN_, int NJ_, bool GROUPED_, bool GATEUP_, int MIN_BLOCKS_>
+// CODES: the A tile holds quant codes, and a stage also holds the scales (see the top comment).
+template <int WM_, int WN_, int NJ_, bool GROUPED_, bool GATEUP_, int MIN_BLOCKS_, bool CODES_>
 struct Shape {
   static constexpr int WM = WM_, WN = WN_, NJ = NJ_, MIN_BLOCKS = MIN_BLOCKS_;
-  static constexpr bool GROUPED = GROUPED_, GATEUP = GATEUP_;
+  static constexpr bool GROUPED = GROUPED_, GATEUP = GATEUP_, CODES = CODES_;
   static constexpr int MT = 2;                  // m16 tiles per warp
   static constexpr int H = GATEUP ? MT / 2 : MT;  // m16 tiles per warp per matrix
   static constexpr int THREADS = 32 * WM * WN;
   static constexpr int BMV = 16 * MT * WM;        // virtual rows per block
   static constexpr int BM = GATEUP ? BMV / 2 : BMV;  // weight rows per block
   static constexpr int BN = 8 * NJ * WN;          // tokens per block
-  static constexpr int A_FLOATS = BMV * LDA, X_FLOATS = BN * LDX, STAGE = A_FLOATS + X_FLOATS;
+  static constexpr int A_FLOATS = BMV * LDA, X_FLOATS = BN * LDX;
+  // CODES: per virtual row the scale of columns [0, 16) and of [16, 32) and the min; per token the
+  // sum of its slice of activations.
+  static constexpr int S_FLOATS = CODES ? 3 * BMV + BN : 0;
+  static constexpr int STAGE = A_FLOATS + X_FLOATS + S_FLOATS;
   static constexpr int X_JOBS = BN * BK / 4;      // float4 chunks of activations per slice
   static constexpr int X_PER = X_JOBS / THREADS;
   // Two stages plus the landing area of the raw activations (cp.async, each thread its own chunks).
@@ -71,23 +84,133 @@ struct Shape {
 };
 
 // gate/up: 128 rows x 32 tokens (the typical expert load of a 512-token prefill is ~32 tokens).
-using ShapeGateUp = Shape<8, 1, 4, true, true, 2>;
+template <bool C>
+using ShapeGateUp = Shape<8, 1, 4, true, true, 2, C>;
 // down: 256 rows x 32 tokens.
-using ShapeDown = Shape<8, 1, 4, true, false, 2>;
+template <bool C>
+using ShapeDown = Shape<8, 1, 4, true, false, 2, C>;
 // dense, many tiles: 128 rows x 64 tokens (half the dequantization per product of ShapeDown).
-using ShapeWide = Shape<4, 2, 4, false, false, 2>;
+template <bool C>
+using ShapeWide = Shape<4, 2, 4, false, false, 2, C>;
 // dense, otherwise (at 512 tokens: k, v, o, router): 64 rows x 32 tokens, 4 warps, 4x the blocks of
 // ShapeWide so that the grid fills the GPU.
-using ShapeSmall = Shape<2, 2, 2, false, false, 4>;
+template <bool C>
+using ShapeSmall = Shape<2, 2, 2, false, false, 4, C>;
 
-// Dequantizes group g of a row into 32 consecutive floats of shared memory.
+// Where a slice's columns sit in a shared-memory row (weights and activations alike): the 4-column
+// chunk c at chunk pos(c) = 2 (c % 4) + c / 4. Lane t of a warp reads chunks 2t + h (h = 0, 1; see the
+// main loop), which thus hold columns 16h + 4t + [0, 4): all the columns of the mma steps of half h
+// lie in [16h, 16h + 16), the range of one Q6_K scale.
+__device__ __forceinline__ constexpr int chunk_pos(int c) { return 2 * (c & 3) + (c >> 2); }
+
+__device__ __forceinline__ void store_row(const float (&v)[32], float* dst) {
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+    *reinterpret_cast<float4*>(dst + 4 * chunk_pos(c)) =
+        make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+}
+
+// Dequantizes group g of a row into a shared-memory row.
 template <uint32_t T>
 __device__ __forceinline__ void deq_row(const uint8_t* row, int g, float* dst) {
   float v[32];
   dequant32<T>(row, g, v);
+  store_row(v, dst);
+}
+
+constexpr bool is_code_type(uint32_t t) {
+  using namespace layout;
+  return t == Q4_0 || t == Q5_0 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
+}
+
+// Group g of a row of a code type as q[0..32) with s0, s1 and m such that dequant32 gives
+// (l < 16 ? s0 : s1) * q[l] - m (the same bits and the same fp32 scale products as dequant32).
+template <uint32_t T>
+__device__ __forceinline__ void codes32(const uint8_t* row, int g, float (&q)[32], float& s0, float& s1, float& m) {
+  using namespace layout;
+  m = 0.f;
+  if constexpr (T == Q8_0) {
+    const uint8_t* b = row + g * 36;
+    s0 = s1 = half_at(b + 32);
 #pragma unroll
-  for (int c = 0; c < 8; ++c)
-    *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t w = ld4(b + 4 * i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q[4 * i + j] = static_cast<float>(static_cast<int8_t>(w >> (8 * j)));
+    }
+  } else if constexpr (T == Q4_0 || T == Q5_0) {
+    constexpr bool five = T == Q5_0;
+    const uint8_t* b = row + g * (five ? 24 : 20);
+    const uint32_t h = five ? ld4(b + 16) : 0u;
+    s0 = s1 = half_at(b + (five ? 20 : 16));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t w = ld4(b + 4 * i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int l = 4 * i + j, x = (w >> (8 * j)) & 0xFF;
+        int lo = x & 0xF, hi = x >> 4;
+        if constexpr (five) {
+          lo |= ((h >> l) & 1) << 4;
+          hi |= ((h >> (l + 16)) & 1) << 4;
+        }
+        q[l] = static_cast<float>(lo - (five ? 16 : 8));
+        q[l + 16] = static_cast<float>(hi - (five ? 16 : 8));
+      }
+    }
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    constexpr int BB = T == Q4_K ? 144 : 176;
+    const uint8_t* b = row + (g >> 3) * BB;
+    const int s = g & 7, c = s >> 1, shift = 4 * (s & 1);
+    int sc, mn;
+    k_scale_min(b + 4, s, sc, mn);
+    s0 = s1 = half_at(b) * static_cast<float>(sc);
+    m = half_at(b + 2) * static_cast<float>(mn);
+    uint32_t w[8];
+    ld32(b + (T == Q4_K ? 16 : 48) + 32 * c, w);
+    if constexpr (T == Q4_K) {
+#pragma unroll
+      for (int l = 0; l < 32; ++l) q[l] = static_cast<float>((byte_of(w, l) >> shift) & 0xF);
+    } else {
+      uint32_t hw[8];
+      ld32(b + 16, hw);
+      const int hb = 2 * c + (s & 1);
+#pragma unroll
+      for (int l = 0; l < 32; ++l)
+        q[l] = static_cast<float>(((byte_of(w, l) >> shift) & 0xF) | (((byte_of(hw, l) >> hb) & 1) << 4));
+    }
+  } else if constexpr (T == Q6_K) {
+    const uint8_t* b = row + (g >> 3) * 224;
+    const int q8 = g & 7, n = q8 >> 2, k = q8 & 3;
+    const float d = half_at(b + 208);
+    const int8_t* S = reinterpret_cast<const int8_t*>(b + 192 + 8 * n);
+    s0 = d * static_cast<float>(S[2 * k]);
+    s1 = d * static_cast<float>(S[2 * k + 1]);
+    uint32_t lw[8], hw[8];
+    ld32(b + 64 * n + 32 * (k & 1), lw);
+    ld32(b + 128 + 32 * n, hw);
+    const int lshift = (k >> 1) * 4;
+#pragma unroll
+    for (int l = 0; l < 32; ++l)
+      q[l] = static_cast<float>((((byte_of(lw, l) >> lshift) & 0xF) | (((byte_of(hw, l) >> (2 * k)) & 3) << 4)) - 32);
+  }
+}
+
+// Codes of group g of a row into a shared-memory row, its scales and min into sc[0], sc[n], sc[2n].
+template <uint32_t T>
+__device__ __forceinline__ void code_row(const uint8_t* row, int g, float* dst, float* sc, int n) {
+  if constexpr (is_code_type(T)) {
+    float q[32], s0, s1, m;
+    codes32<T>(row, g, q, s0, s1, m);
+    store_row(q, dst);
+    sc[0] = s0;
+    sc[n] = s1;
+    sc[2 * n] = m;
+  } else {  // not reached (the host picks codes only for code types); zeros rather than stale data
+    const float z[32] = {};
+    store_row(z, dst);
+    sc[0] = sc[n] = sc[2 * n] = 0.f;
+  }
 }
 
 __device__ __forceinline__ void cp_async16(float* dst, const float* src) {
@@ -136,6 +259,11 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = S::WN == 1 ? warp : warp % S::WM, wn = S::WN == 1 ? 0 : warp / S::WM;
+  // CODES: whether some row has a min (Q4_K, Q5_K) and whether the scale changes at column 16 (Q6_K).
+  // Both are only savings: the mins are 0 and sc1 == sc0 where they do not apply.
+  auto with_min = [](uint32_t ty) { return ty == layout::Q4_K || ty == layout::Q5_K; };
+  const bool has_min = S::CODES && (with_min(a.W.type) || (S::GATEUP && with_min(a.W2.type)));
+  const bool split16 = S::CODES && (a.W.type == layout::Q6_K || (S::GATEUP && a.W2.type == layout::Q6_K));
 
   // Dequantization role: thread tid < BMV owns virtual row tid (nullptr past the last weight row).
   // Here and below, values that are cheap to re-derive (from tid or the kernel parameters) are
@@ -147,14 +275,22 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
     if (row0 + r < rows)
       drow = (second ? w2 : w1) + static_cast<int64_t>(row0 + r) * (second ? a.W2.row_stride : a.W.row_stride);
   }
-  auto stage_a = [&](int kt, float* As) {
+  // stage: a stage's base (weights, then activations, then for CODES the scales: sc0, sc1, min per
+  // virtual row, then the activation sums per token).
+  auto stage_a = [&](int kt, float* stage) {
     if (tid >= S::BMV) return;
-    float* dst = As + tid * LDA;
+    float* dst = stage + tid * LDA;
+    float* sc = stage + S::A_FLOATS + S::X_FLOATS + tid;
     if (drow) {
-      MOE_DISPATCH_TYPE(second ? a.W2.type : a.W.type, deq_row, drow, kt, dst);
+      if constexpr (S::CODES) {
+        MOE_DISPATCH_TYPE(second ? a.W2.type : a.W.type, code_row, drow, kt, dst, sc, S::BMV);
+      } else {
+        MOE_DISPATCH_TYPE(second ? a.W2.type : a.W.type, deq_row, drow, kt, dst);
+      }
     } else {
 #pragma unroll
       for (int c = 0; c < 8; ++c) *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
+      if constexpr (S::CODES) sc[0] = sc[S::BMV] = sc[2 * S::BMV] = 0.f;
     }
   };
   auto prefetch_a = [&](int kt) {
@@ -164,7 +300,8 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
   // Activation role: X_PER float4 chunks (token n = job / 8, chunk c = job % 8) of each slice, from
   // X row xrow[q] (-1 past the token count). They land by cp.async in this thread's own slots (so no
   // barrier is needed between landing and reading them), then are split into tf32 hi/lo and stored
-  // for the warps.
+  // for the warps. The 8 chunks of a token are 8 consecutive lanes of one warp, which for CODES with
+  // mins also sum them.
   int xrow[S::X_PER];
 #pragma unroll
   for (int q = 0; q < S::X_PER; ++q) {
@@ -184,7 +321,8 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
                    a.X + static_cast<int64_t>(xrow[q]) * a.x_stride + kt * BK + 4 * (tid & 7));
     cp_async_commit();
   };
-  auto store_x = [&](float* Xs) {
+  auto store_x = [&](float* stage) {
+    float* Xs = stage + S::A_FLOATS;
     cp_async_wait_all();
 #pragma unroll
     for (int q = 0; q < S::X_PER; ++q) {
@@ -195,9 +333,18 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
       split_tf32(v.y, hi.y, lo.y);
       split_tf32(v.z, hi.z, lo.z);
       split_tf32(v.w, hi.w, lo.w);
-      const int job = tid + q * S::THREADS, dst = (job >> 3) * LDX + 4 * (job & 7);
+      const int job = tid + q * S::THREADS, dst = (job >> 3) * LDX + 4 * chunk_pos(job & 7);
       *reinterpret_cast<uint4*>(Xs + dst) = hi;
       *reinterpret_cast<uint4*>(Xs + dst + BK) = lo;
+      if constexpr (S::CODES) {
+        if (has_min) {
+          float sum = (v.x + v.y) + (v.z + v.w);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+          if ((job & 7) == 0) Xs[S::X_FLOATS + 3 * S::BMV + (job >> 3)] = sum;
+        }
+      }
     }
   };
 
@@ -220,7 +367,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
   fetch_x(0);
   if (n_k > 1) prefetch_a(1);
   stage_a(0, smem);
-  store_x(smem + S::A_FLOATS);
+  store_x(smem);
   __syncthreads();
 
   for (int kt = 0; kt < n_k; ++kt) {
@@ -241,51 +388,118 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, float* smem, int ro
 #pragma unroll
         for (int c = 0; c < 4; ++c) part[i][j][c] = 0.f;
 
-    // k order within a slice: mma step s (0..3) pairs its k indices t and t+4 with columns 8t+2s and
-    // 8t+2s+1 (for A and B alike, so the sum is unchanged); a lane then finds steps 2h and 2h+1 in
-    // one float4 at column 8t+4h of its rows.
+    // k order within a slice: mma step s (0..3) pairs its k indices t and t+4 with the elements at
+    // 8t+2s and 8t+2s+1 of the shared rows (for A and B alike, so the sum is unchanged); a lane then
+    // finds steps 2h and 2h+1 in one float4 at 8t+4h of its rows, holding columns 16h+4t+[0, 4)
+    // (chunk_pos).
     const float* As = cur;
     const float* Xs = cur + S::A_FLOATS;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t ahi[S::MT][2][4], alo[S::MT][2][4];  // [m16 tile][step 2h + s2][a0..a3]
-#pragma unroll
-      for (int i = 0; i < S::MT; ++i) {
-        const float* p = As + (vrow(wm, i) + g) * LDA + 8 * t + 4 * h;
-        const float4 r0 = *reinterpret_cast<const float4*>(p);            // row g
-        const float4 r1 = *reinterpret_cast<const float4*>(p + 8 * LDA);  // row g + 8
-        split_tf32(r0.x, ahi[i][0][0], alo[i][0][0]);
-        split_tf32(r1.x, ahi[i][0][1], alo[i][0][1]);
-        split_tf32(r0.y, ahi[i][0][2], alo[i][0][2]);
-        split_tf32(r1.y, ahi[i][0][3], alo[i][0][3]);
-        split_tf32(r0.z, ahi[i][1][0], alo[i][1][0]);
-        split_tf32(r1.z, ahi[i][1][1], alo[i][1][1]);
-        split_tf32(r0.w, ahi[i][1][2], alo[i][1][2]);
-        split_tf32(r1.w, ahi[i][1][3], alo[i][1][3]);
-      }
-#pragma unroll
-      for (int j = 0; j < S::NJ; ++j) {
-        if (j >= nj) break;
-        const float* q = Xs + (nb + 8 * j + g) * LDX + 8 * t + 4 * h;
-        const uint4 bh = *reinterpret_cast<const uint4*>(q);       // token g, tf32 hi
-        const uint4 bl = *reinterpret_cast<const uint4*>(q + BK);  // token g, tf32 lo
+      if constexpr (S::CODES) {
+        uint32_t aq[S::MT][2][4];  // codes: exact in tf32
 #pragma unroll
         for (int i = 0; i < S::MT; ++i) {
-          mma_3xtf32(part[i][j], ahi[i][0], alo[i][0], bh.x, bh.y, bl.x, bl.y);
-          mma_3xtf32(part[i][j], ahi[i][1], alo[i][1], bh.z, bh.w, bl.z, bl.w);
+          const float* p = As + (vrow(wm, i) + g) * LDA + 8 * t + 4 * h;
+          const float4 r0 = *reinterpret_cast<const float4*>(p);            // row g
+          const float4 r1 = *reinterpret_cast<const float4*>(p + 8 * LDA);  // row g + 8
+          aq[i][0][0] = __float_as_uint(r0.x);
+          aq[i][0][1] = __float_as_uint(r1.x);
+          aq[i][0][2] = __float_as_uint(r0.y);
+          aq[i][0][3] = __float_as_uint(r1.y);
+          aq[i][1][0] = __float_as_uint(r0.z);
+          aq[i][1][1] = __float_as_uint(r1.z);
+          aq[i][1][2] = __float_as_uint(r0.w);
+          aq[i][1][3] = __float_as_uint(r1.w);
+        }
+#pragma unroll
+        for (int j = 0; j < S::NJ; ++j) {
+          if (j >= nj) break;
+          const float* q = Xs + (nb + 8 * j + g) * LDX + 8 * t + 4 * h;
+          const uint4 bh = *reinterpret_cast<const uint4*>(q);
+          const uint4 bl = *reinterpret_cast<const uint4*>(q + BK);
+#pragma unroll
+          for (int i = 0; i < S::MT; ++i) {
+            mma_2xtf32(part[i][j], aq[i][0], bh.x, bh.y, bl.x, bl.y);
+            mma_2xtf32(part[i][j], aq[i][1], bh.z, bh.w, bl.z, bl.w);
+          }
+        }
+        // Scale the code sums into acc: after each half where the scale changes at column 16,
+        // else once after both (sc1 == sc0 then).
+        if (h == 1 || split16) {
+          const float* sc = Xs + S::X_FLOATS + h * S::BMV;
+#pragma unroll
+          for (int i = 0; i < S::MT; ++i) {
+            const float s_top = sc[vrow(wm, i) + g], s_bot = sc[vrow(wm, i) + g + 8];
+#pragma unroll
+            for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                acc[i][j][c] = fmaf(c < 2 ? s_top : s_bot, part[i][j][c], acc[i][j][c]);
+                part[i][j][c] = 0.f;
+              }
+          }
+        }
+      } else {
+        uint32_t ahi[S::MT][2][4], alo[S::MT][2][4];  // [m16 tile][step 2h + s2][a0..a3]
+#pragma unroll
+        for (int i = 0; i < S::MT; ++i) {
+          const float* p = As + (vrow(wm, i) + g) * LDA + 8 * t + 4 * h;
+          const float4 r0 = *reinterpret_cast<const float4*>(p);            // row g
+          const float4 r1 = *reinterpret_cast<const float4*>(p + 8 * LDA);  // row g + 8
+          split_tf32(r0.x, ahi[i][0][0], alo[i][0][0]);
+          split_tf32(r1.x, ahi[i][0][1], alo[i][0][1]);
+          split_tf32(r0.y, ahi[i][0][2], alo[i][0][2]);
+          split_tf32(r1.y, ahi[i][0][3], alo[i][0][3]);
+          split_tf32(r0.z, ahi[i][1][0], alo[i][1][0]);
+          split_tf32(r1.z, ahi[i][1][1], alo[i][1][1]);
+          split_tf32(r0.w, ahi[i][1][2], alo[i][1][2]);
+          split_tf32(r1.w, ahi[i][1][3], alo[i][1][3]);
+        }
+#pragma unroll
+        for (int j = 0; j < S::NJ; ++j) {
+          if (j >= nj) break;
+          const float* q = Xs + (nb + 8 * j + g) * LDX + 8 * t + 4 * h;
+          const uint4 bh = *reinterpret_cast<const uint4*>(q);       // token g, tf32 hi
+          const uint4 bl = *reinterpret_cast<const uint4*>(q + BK);  // token g, tf32 lo
+#pragma unroll
+          for (int i = 0; i < S::MT; ++i) {
+            mma_3xtf32(part[i][j], ahi[i][0], alo[i][0], bh.x, bh.y, bl.x, bl.y);
+            mma_3xtf32(part[i][j], ahi[i][1], alo[i][1], bh.z, bh.w, bl.z, bl.w);
+          }
         }
       }
     }
+    if constexpr (S::CODES) {
+      // The mins: acc -= min(row) * (sum of the slice's activations of the token).
+      if (has_min) {
+        const float* mn = Xs + S::X_FLOATS + 2 * S::BMV;
+        const float* xs = mn + S::BMV;
 #pragma unroll
-    for (int i = 0; i < S::MT; ++i)
+        for (int i = 0; i < S::MT; ++i) {
+          const float m_top = mn[vrow(wm, i) + g], m_bot = mn[vrow(wm, i) + g + 8];
 #pragma unroll
-      for (int j = 0; j < S::NJ; ++j)
+          for (int j = 0; j < S::NJ; ++j) {
+            const float x0 = xs[nb + 8 * j + 2 * t], x1 = xs[nb + 8 * j + 2 * t + 1];
+            acc[i][j][0] = fmaf(-m_top, x0, acc[i][j][0]);
+            acc[i][j][1] = fmaf(-m_top, x1, acc[i][j][1]);
+            acc[i][j][2] = fmaf(-m_bot, x0, acc[i][j][2]);
+            acc[i][j][3] = fmaf(-m_bot, x1, acc[i][j][3]);
+          }
+        }
+      }
+    } else {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][j][c] += part[i][j][c];
+      for (int i = 0; i < S::MT; ++i)
+#pragma unroll
+        for (int j = 0; j < S::NJ; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[i][j][c] += part[i][j][c];
+    }
 
     if (more) {
       stage_a(kt + 1, nxt);
-      store_x(nxt + S::A_FLOATS);
+      store_x(nxt);
       __syncthreads();
     }
   }
@@ -375,6 +589,13 @@ cudaError_t launch(const GemmArgs& a, int row_tiles, int tok_tiles, int n_expert
   return cudaGetLastError();
 }
 
+// The codes form of shape SH where the weights allow it (the tile sizes do not depend on it).
+template <template <bool> class SH>
+cudaError_t launch_codes(bool codes, const GemmArgs& a, int row_tiles, int tok_tiles, int n_expert, cudaStream_t s) {
+  return codes ? launch<SH<true>>(a, row_tiles, tok_tiles, n_expert, s)
+               : launch<SH<false>>(a, row_tiles, tok_tiles, n_expert, s);
+}
+
 template <class S>
 int tiles(int n, bool rows_dim) {
   const int b = rows_dim ? S::BM : S::BN;
@@ -396,10 +617,12 @@ cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y
   a.n_tok = n_tok;
   // The wide tile does half the dequantization per product, but only pays off with enough tiles to
   // keep every SM busy (~1.5 blocks each); otherwise the small tile's 4x more blocks win.
-  const int wide = tiles<ShapeWide>(W.rows, true) * tiles<ShapeWide>(n_tok, false);
+  const int wide = tiles<ShapeWide<false>>(W.rows, true) * tiles<ShapeWide<false>>(n_tok, false);
   if (2 * wide >= 3 * sm_count())
-    return launch<ShapeWide>(a, tiles<ShapeWide>(W.rows, true), tiles<ShapeWide>(n_tok, false), 1, s);
-  return launch<ShapeSmall>(a, tiles<ShapeSmall>(W.rows, true), tiles<ShapeSmall>(n_tok, false), 1, s);
+    return launch_codes<ShapeWide>(is_code_type(W.type), a, tiles<ShapeWide<false>>(W.rows, true),
+                                   tiles<ShapeWide<false>>(n_tok, false), 1, s);
+  return launch_codes<ShapeSmall>(is_code_type(W.type), a, tiles<ShapeSmall<false>>(W.rows, true),
+                                  tiles<ShapeSmall<false>>(n_tok, false), 1, s);
 }
 
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
@@ -418,8 +641,9 @@ cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, i
   a.count = count;
   a.offset = offset;
   a.n_expert = n_expert;
-  return launch<ShapeGateUp>(a, tiles<ShapeGateUp>(G.rows, true), tiles<ShapeGateUp>(max_count, false), n_expert,
-                             s);
+  return launch_codes<ShapeGateUp>(is_code_type(G.type) && is_code_type(U.type), a,
+                                   tiles<ShapeGateUp<false>>(G.rows, true), tiles<ShapeGateUp<false>>(max_count, false),
+                                   n_expert, s);
 }
 
 cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
@@ -434,7 +658,8 @@ cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count
   a.count = count;
   a.offset = offset;
   a.n_expert = n_expert;
-  return launch<ShapeDown>(a, tiles<ShapeDown>(D.rows, true), tiles<ShapeDown>(max_count, false), n_expert, s);
+  return launch_codes<ShapeDown>(is_code_type(D.type), a, tiles<ShapeDown<false>>(D.rows, true),
+                                 tiles<ShapeDown<false>>(max_count, false), n_expert, s);
 }
 
 }  // namespace moe::cuda::k

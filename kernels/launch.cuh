@@ -77,8 +77,14 @@ cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* po
                       const void* v_cache, int n_head, int n_head_kv, int head_dim, int n_split, float* partials,
                       int* counters, float* out, cudaStream_t s);
 bool attention_supported(int n_head, int n_head_kv, int head_dim);
+// Decode (one token at pos0[0]): qk_norm_rope_store and attention in one launch. qkv holds the raw
+// [q | k | v] row (left unchanged); the KV cache row of the position is written; out as attention.
+cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,
+                             Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
+                             int n_split, float* partials, int* counters, float* out, cudaStream_t s);
 
-// out[0] = argmax of x[0..n) (lowest index on ties); scratch holds kArgmaxScratch floats.
+// out[0] = argmax of x[0..n) (lowest index on ties, non-finite values skipped), out[1] = 1 when some
+// x is not finite (else 0); scratch holds kArgmaxScratch floats.
 constexpr int kArgmaxScratch = 256;
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s);
 

@@ -73,18 +73,33 @@ __global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi)
   const int lo = blockIdx.x * per, hi = min(n, lo + per);
   float best = -INFINITY;
   int idx = 0x7fffffff;
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(best, idx, x[i], i);
+  bool bad = false;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float v = x[i];
+    bad |= !isfinite(v);
+    argmax_merge(best, idx, v, i);
+  }
+  bad = __syncthreads_or(bad);
   block_argmax(best, idx);
-  if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = idx; }
+  // a non-finite value in the slice sets the index's sign bit (indices are below 2^31)
+  if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = bad ? static_cast<int>(static_cast<unsigned>(idx) | 0x80000000u) : idx; }
 }
 
 __global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int32_t* out) {
   pdl_sync();
   float best = -INFINITY;
   int idx = 0x7fffffff;
-  for (int i = threadIdx.x; i < np; i += blockDim.x) argmax_merge(best, idx, pv[i], pi[i]);
+  bool bad = false;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) {
+    bad |= pi[i] < 0;
+    argmax_merge(best, idx, pv[i], pi[i] & 0x7fffffff);
+  }
+  bad = __syncthreads_or(bad);
   block_argmax(best, idx);
-  if (threadIdx.x == 0) out[0] = idx == 0x7fffffff ? 0 : idx;
+  if (threadIdx.x == 0) {
+    out[0] = idx == 0x7fffffff ? 0 : idx;
+    out[1] = bad ? 1 : 0;
+  }
 }
 
 // One warp per token.
@@ -99,41 +114,88 @@ __global__ void topk_kernel(const float* logits, int n_tok, int n_expert, int n_
   softmax_topk_warp(lg, n_expert, n_used, ids + t * n_used, weights + t * n_used, lg + n_expert);
 }
 
-// One block; thread e walks every assignment in order, so slots within an expert follow token order.
-__global__ void group_kernel(const int32_t* ids, int n_assign, int n_used, int n_expert, int* count, int* offset,
-                             int32_t* token_of_slot, int32_t* slot_of) {
+// One block of kGroupThreads threads (n_expert <= kGroupThreads). Assignment a = t * n_used + j goes
+// to slot offset[e] + (number of earlier assignments to the same expert e), so slots within an expert
+// follow token order and the result does not depend on scheduling.
+//   1. count: shared-memory atomics (one per distinct expert of a warp), 2. exclusive scan of the
+//   counts, 3. placement, kGroupThreads assignments at a time in order: an assignment's rank among
+//   the chunk's assignments to its expert is its rank within its warp (match_any) plus the counts
+//   of the earlier warps (a [warp][expert] table), and each expert's cursor then moves past the chunk.
+constexpr int kGroupThreads = 1024, kGroupWarps = kGroupThreads / 32;
+
+__global__ void __launch_bounds__(kGroupThreads) group_kernel(const int32_t* ids, int n_assign, int n_used,
+                                                              int n_expert, int* count, int* offset,
+                                                              int32_t* token_of_slot, int32_t* slot_of) {
   extern __shared__ int sh[];
-  int* cnt = sh;             // n_expert
-  int32_t* sid = sh + n_expert;  // n_assign
-  for (int i = threadIdx.x; i < n_assign; i += blockDim.x) sid[i] = ids[i];
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = 0;
+  int* cur = sh;                                                           // n_expert: count, then cursor
+  int* wsum = sh + n_expert;                                               // kGroupWarps: scan partials
+  uint8_t* wc = reinterpret_cast<uint8_t*>(sh + n_expert + kGroupWarps);  // [kGroupWarps][n_expert]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  for (int e = tid; e < n_expert; e += kGroupThreads) cur[e] = 0;
+  for (int i = tid; i < kGroupWarps * n_expert; i += kGroupThreads) wc[i] = 0;
   __syncthreads();
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-    int c = 0;
-    for (int a = 0; a < n_assign; ++a) c += sid[a] == e;
-    cnt[e] = c;
+
+  // Expert of assignment a, or -1 (past the end, or an id out of range: such an assignment gets no slot).
+  auto expert_of = [&](int a) {
+    const int e = a < n_assign ? ids[a] : -1;
+    return e >= 0 && e < n_expert ? e : -1;
+  };
+  for (int a0 = 0; a0 < n_assign; a0 += kGroupThreads) {
+    const int e = expert_of(a0 + tid);
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && (same & below) == 0) atomicAdd(&cur[e], __popc(same));
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int run = 0;
-    for (int e = 0; e < n_expert; ++e) {
-      int c = cnt[e];
-      count[e] = c;
-      offset[e] = run;
-      cnt[e] = run;
-      run += c;
+
+  // Exclusive scan of the counts, one expert per thread.
+  const int c = tid < n_expert ? cur[tid] : 0;
+  int incl = c;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) wsum[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = wsum[lane];  // kGroupWarps == 32
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += v;
     }
+    wsum[lane] = w - wsum[lane];  // exclusive
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-    int slot = cnt[e];
-    for (int a = 0; a < n_assign; ++a) {
-      if (sid[a] == e) {
-        token_of_slot[slot] = a / n_used;
-        slot_of[a] = slot;
-        ++slot;
-      }
+  if (tid < n_expert) {
+    const int excl = wsum[warp] + incl - c;
+    count[tid] = c;
+    offset[tid] = excl;
+    cur[tid] = excl;
+  }
+  __syncthreads();
+
+  for (int a0 = 0; a0 < n_assign; a0 += kGroupThreads) {
+    const int a = a0 + tid;
+    const int e = expert_of(a);
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const bool first = (same & below) == 0, last = (same >> lane) == 1u;
+    if (e >= 0 && first) wc[warp * n_expert + e] = static_cast<uint8_t>(__popc(same));
+    __syncthreads();
+    int slot = 0;
+    if (e >= 0) {
+      slot = cur[e] + __popc(same & below);
+      for (int w = 0; w < warp; ++w) slot += wc[w * n_expert + e];
+      token_of_slot[slot] = a / n_used;
+      slot_of[a] = slot;
     }
+    __syncthreads();  // every cursor and table entry read
+    if (e >= 0) {
+      if (last) atomicMax(&cur[e], slot + 1);
+      if (first) wc[warp * n_expert + e] = 0;
+    }
+    __syncthreads();
   }
 }
 
@@ -180,14 +242,11 @@ cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, 
 
 cudaError_t group_by_expert(const int32_t* ids, int n_tok, int n_used, int n_expert, int* count, int* offset,
                             int32_t* token_of_slot, int32_t* slot_of, cudaStream_t s) {
-  const int n_assign = n_tok * n_used;
-  size_t smem = static_cast<size_t>(n_expert + n_assign) * sizeof(int);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-    if (e) return e;
-  }
-  group_kernel<<<1, 1024, smem, s>>>(ids, n_assign, n_used, n_expert, count, offset, token_of_slot, slot_of);
+  if (n_expert <= 0 || n_expert > kGroupThreads) return cudaErrorInvalidValue;
+  // At most 4 KiB + 32 KiB + 128 bytes at 1024 experts: under the default 48 KiB.
+  const size_t smem = static_cast<size_t>(n_expert + kGroupWarps) * sizeof(int) + static_cast<size_t>(kGroupWarps) * n_expert;
+  group_kernel<<<1, kGroupThreads, smem, s>>>(ids, n_tok * n_used, n_used, n_expert, count, offset, token_of_slot,
+                                              slot_of);
   return cudaGetLastError();
 }
 

@@ -39,4 +39,12 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const uint32_t (&a_hi)
   mma_tf32(d, a_hi, b0_hi, b1_hi);
 }
 
+// 2xTF32 for an A that tf32 holds exactly (small integers such as quant codes): d += A*B_hi + A*B_lo,
+// the small term first. The only error left is B's split (~2^-21 |b|), as with 3xTF32.
+__device__ __forceinline__ void mma_2xtf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0_hi, uint32_t b1_hi,
+                                           uint32_t b0_lo, uint32_t b1_lo) {
+  mma_tf32(d, a, b0_lo, b1_lo);
+  mma_tf32(d, a, b0_hi, b1_hi);
+}
+
 }  // namespace moe::cuda::dev

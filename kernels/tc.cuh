@@ -1,6 +1,6 @@
 // Device building blocks of the tensor-core GEMVs (see gemv_tc.cu for the arithmetic): x staged as
-// MMA B fragments, one super-block of two rows per lane, and 16-row tiles split over warps. Used by
-// the per-kernel GEMVs (gemv_tc.cu) and by the persistent decode kernel (decode.cu).
+// MMA B fragments, one super-block of two rows per lane, and 16-row tiles split over warps. Kept apart
+// from the kernels (gemv_tc.cu) so that other kernels can build on them.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -62,7 +62,7 @@ __device__ __forceinline__ void stage_xb(const float* __restrict__ x, int n, con
   for (int k = 0; k < R; ++k) {
     const int i = threadIdx.x + k * bd;
     if (i < n4) {
-      xv[k] = __ldcg(x4 + i);  // L2: in the persistent kernel other blocks wrote x
+      xv[k] = __ldcg(x4 + i);  // written by other blocks: read through L2
       if (norm_w) wv[k] = w4[i];
     }
   }

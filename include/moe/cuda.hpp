@@ -23,7 +23,6 @@ struct DeviceInfo {
   uint64_t vram_total_mib = 0;
   uint64_t vram_used_mib = 0;  // taken by this forward (weights, KV cache, scratch)
   double upload_ms = 0;
-  bool persistent_decode = false;  // decode runs as one persistent kernel per token (opt-in: MOE_CUDA_PERSISTENT=1)
 };
 
 // Builds the forward on `o.device`. Throws moe::Error(Exit::gpu_failed, reason) where the reason

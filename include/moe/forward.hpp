@@ -1,10 +1,13 @@
 // The one interface where the two backends really differ: a forward pass over one sequence
 // with its own KV cache.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
+
+#include "moe/error.hpp"
 
 namespace moe {
 
@@ -16,13 +19,17 @@ class Forward {
   // Throws moe::Error on failure (the CUDA forward: a reason naming the step).
   virtual void eval(std::span<const int32_t> tokens, bool all_logits, std::vector<float>& logits) = 0;
   // Evaluates one token and returns the argmax of its logits (lowest id on ties) without handing
-  // the logits back; backends override it to keep the logits on the device.
+  // the logits back; backends override it to keep the logits on the device. A non-finite logit
+  // throws moe::Error (backends: their own failure exit; here Exit::inference) naming the position.
   virtual int32_t eval_greedy(int32_t token) {
     std::vector<float>& l = scratch_;
     eval(std::span<const int32_t>(&token, 1), false, l);
     int32_t best = 0;
-    for (size_t i = 1; i < l.size(); ++i)
+    for (size_t i = 0; i < l.size(); ++i) {
+      if (!std::isfinite(l[i]))
+        fail(Exit::inference, "non-finite logits at position {} (token id {})", n_past() - 1, i);
       if (l[i] > l[best]) best = static_cast<int32_t>(i);
+    }
     return best;
   }
   virtual int64_t n_past() const = 0;

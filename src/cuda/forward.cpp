@@ -10,7 +10,6 @@
 #include <cstring>
 #include <vector>
 
-#include "decode.cuh"
 #include "device.hpp"
 #include "launch.cuh"
 #include "layout.cuh"
@@ -99,28 +98,10 @@ class CudaForward final : public Forward {
       info->vram_total_mib = static_cast<uint64_t>(total_b / kMiB);
       info->vram_used_mib = free_b > free_after ? static_cast<uint64_t>((free_b - free_after) / kMiB) : 0;
       info->upload_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
-      info->persistent_decode = persistent_grid_ > 0;
     }
   }
 
-  // MOE_CUDA_PHASE_TIMES=1: the phases of the last persistent decode step, from block 0's clock.
-  void print_phase_times() {
-    std::vector<unsigned long long> t(n_phase_times_, 0);
-    if (cudaMemcpy(t.data(), phase_times_, t.size() * 8, cudaMemcpyDeviceToHost) != cudaSuccess || t[0] == 0) return;
-    const size_t L = layers_.size();
-    auto us = [&](size_t i) { return t[i] > t[i - 1] ? (t[i] - t[i - 1]) / 1000.0 : 0.0; };
-    double ph[6] = {0, 0, 0, 0, 0, 0};
-    for (size_t l = 0; l < L; ++l)
-      for (int p = 0; p < 6; ++p) ph[p] += us(2 + 6 * l + p);
-    std::fprintf(stderr,
-                 "moe-run: decode phases (us, mean per layer): qkv %.2f attention %.2f o %.2f router %.2f gate/up %.2f "
-                 "down %.2f | embed %.2f lm-head %.2f argmax %.2f\n",
-                 ph[0] / L, ph[1] / L, ph[2] / L, ph[3] / L, ph[4] / L, ph[5] / L, us(1), us(2 + 6 * L),
-                 us(3 + 6 * L));
-  }
-
   ~CudaForward() override {
-    if (phase_times_) print_phase_times();
     if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
     if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
     if (host_io_) cudaFreeHost(host_io_);
@@ -161,10 +142,12 @@ class CudaForward final : public Forward {
   int32_t eval_greedy(int32_t token) override {
     check_tokens(std::span<const int32_t>(&token, 1));
     decode_step(token, true);
-    finish(cudaMemcpyAsync(host_io_ + 2, argmax_.ptr, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
+    finish(cudaMemcpyAsync(host_io_ + 4, argmax_.ptr, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
            "reading the greedy token");
     n_past_ += 1;
-    return host_io_[2];
+    if (host_io_[5] != 0)
+      fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
+    return host_io_[4];
   }
 
   int64_t n_past() const override { return n_past_; }
@@ -454,11 +437,8 @@ class CudaForward final : public Forward {
       const DevLayer& L = layers_[l];
       k::GemvOut qkv[3] = {{L.q, qkv_}, {L.k, qkv_ + Q}, {L.v, qkv_ + Q + KV}};
       check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_), step);
-      check(k::qk_norm_rope_store(qkv_, 1, pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv, c_.head_dim, eps, rp,
-                                  k_cache(l), v_cache(l), stream_),
-            step);
-      check(k::attention(qkv_, Q + 2 * KV, 1, pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv, c_.head_dim,
-                         decode_splits(), partials_, counters_, o_, stream_),
+      check(k::attention_decode(qkv_, pos_, L.q_norm, L.k_norm, eps, rp, k_cache(l), v_cache(l), c_.n_head,
+                                c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, stream_),
             step);
       k::GemvOut out{L.o, x_};
       check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
@@ -474,102 +454,7 @@ class CudaForward final : public Forward {
     (void)E;
   }
 
-  // The persistent decode kernel (decode.cu): one launch per token. Returns false, leaving nothing
-  // behind, when the model is outside what it covers or the launch cannot be captured; the per-kernel
-  // graph below is then used.
-  bool capture_persistent() {
-    k::DecodeArgs a{};
-    a.n_layer = static_cast<int>(layers_.size());
-    a.embd = embd_;
-    a.output = output_;
-    a.out_norm = out_norm_;
-    a.n_embd = static_cast<int>(c_.n_embd);
-    a.n_head = static_cast<int>(c_.n_head);
-    a.n_head_kv = static_cast<int>(c_.n_head_kv);
-    a.head_dim = static_cast<int>(c_.head_dim);
-    a.n_expert = static_cast<int>(c_.n_expert);
-    a.n_used = static_cast<int>(c_.n_expert_used);
-    a.eps = c_.rms_eps;
-    a.rope = rope();
-    a.token = token_;
-    a.pos = pos_;
-    a.x = x_;
-    a.qkv = qkv_;
-    a.o = o_;
-    a.router_logits = router_logits_;
-    a.act = act_;
-    a.logits = static_cast<float*>(logits_.ptr);
-    a.partials = partials_;
-    a.counters = counters_;
-    a.n_split = decode_splits();
-    a.argmax_out = argmax_.ptr;
-    std::vector<k::DecLayer> host(layers_.size());
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const DevLayer& L = layers_[l];
-      host[l] = k::DecLayer{L.q,         L.k,         L.v,        L.o,        L.router,
-                            L.gate,      L.up,        L.down,     L.attn_norm, L.ffn_norm,
-                            L.q_norm,    L.k_norm,    static_cast<__half*>(k_cache(l)),
-                            static_cast<__half*>(v_cache(l))};
-    }
-    if (host.empty()) return false;
-    for (const k::DecLayer& L : host)
-      if (!k::decode_supported(a, L)) return false;
-    const int grid = k::decode_grid(a);
-    if (grid < 1) {
-      cudaGetLastError();
-      return false;
-    }
-    const size_t layer_bytes = align_up(host.size() * sizeof(k::DecLayer), kAlign);
-    const size_t n_times = 8 + 6 * host.size();
-    const size_t bar_bytes = align_up((1 + static_cast<size_t>(grid)) * 4, kAlign);
-    persist_.alloc(layer_bytes + bar_bytes + static_cast<size_t>(grid) * 8 + n_times * 8, "the decode kernel's tables");
-    const char* pt = std::getenv("MOE_CUDA_PHASE_TIMES");
-    if (pt && pt[0] == '1') {
-      a.times = persist_.as<unsigned long long>(layer_bytes + bar_bytes + static_cast<size_t>(grid) * 8);
-      phase_times_ = a.times;
-      n_phase_times_ = n_times;
-    }
-    a.layers = persist_.as<k::DecLayer>();
-    a.barrier = persist_.as<unsigned>(layer_bytes);
-    a.amax_val = persist_.as<float>(layer_bytes + bar_bytes);
-    a.amax_idx = persist_.as<int>(layer_bytes + bar_bytes + static_cast<size_t>(grid) * 4);
-    check(cudaMemcpy(persist_.ptr, host.data(), host.size() * sizeof(k::DecLayer), cudaMemcpyHostToDevice),
-          "upload failed: decode tables");
-    check(cudaMemset(a.barrier, 0, bar_bytes), "upload failed: decode tables");
-    cudaGraphExec_t execs[2] = {nullptr, nullptr};
-    for (int greedy = 0; greedy < 2; ++greedy) {
-      a.greedy = greedy;
-      cudaGraph_t g = nullptr;
-      if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) break;
-      const cudaError_t le = k::decode_token(a, grid, stream_);
-      const cudaError_t ce = cudaStreamEndCapture(stream_, &g);
-      cudaError_t ie = cudaErrorUnknown;
-      if (le == cudaSuccess && ce == cudaSuccess && g) ie = cudaGraphInstantiate(&execs[greedy], g, 0);
-      if (g) cudaGraphDestroy(g);
-      if (ie != cudaSuccess) break;
-    }
-    // a trial run (position 0 of an empty cache: the prefill overwrites it)
-    bool ok = execs[0] && execs[1];
-    if (ok) {
-      host_io_[0] = 0;
-      host_io_[1] = 0;
-      ok = cudaMemcpyAsync(token_, host_io_, 2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_) == cudaSuccess &&
-           cudaGraphLaunch(execs[1], stream_) == cudaSuccess && cudaStreamSynchronize(stream_) == cudaSuccess;
-    }
-    if (!ok) {
-      cudaGetLastError();
-      for (cudaGraphExec_t e : execs)
-        if (e) cudaGraphExecDestroy(e);
-      return false;
-    }
-    graph_logits_ = execs[0];
-    graph_greedy_ = execs[1];
-    persistent_grid_ = grid;
-    return true;
-  }
-
   void capture() {
-    if (capture_persistent()) return;
     for (int greedy = 0; greedy < 2; ++greedy) {
       cudaGraph_t g = nullptr;
       check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture failed");
@@ -675,10 +560,7 @@ class CudaForward final : public Forward {
   int64_t n_past_ = 0;
   const char* step_ = "";
 
-  DeviceBuffer weights_, kv_, scratch_, persist_;
-  int persistent_grid_ = 0;  // blocks of the persistent decode kernel (0: the per-kernel graph)
-  unsigned long long* phase_times_ = nullptr;
-  size_t n_phase_times_ = 0;
+  DeviceBuffer weights_, kv_, scratch_;
   size_t embd_off_ = 0, out_off_ = 0, out_norm_off_ = 0;
   std::vector<LayerOffsets> layer_offs_;
   k::Mat embd_, output_;
@@ -696,7 +578,7 @@ class CudaForward final : public Forward {
   struct {
     int32_t* ptr = nullptr;
   } argmax_;
-  int32_t* host_io_ = nullptr;  // pinned: token, pos, argmax, prefill pos
+  int32_t* host_io_ = nullptr;  // pinned: token, pos, -, prefill pos, argmax, non-finite flag
 
   cudaStream_t stream_ = nullptr;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr;

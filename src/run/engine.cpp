@@ -1,5 +1,6 @@
 #include "engine.hpp"
 
+#include <algorithm>
 #include <future>
 #include <ostream>
 
@@ -198,6 +199,26 @@ void Engine::eval(std::span<const int32_t> tokens, std::span<const int32_t> hist
     const int64_t pos = all_logits ? first_pos + bad / nv : static_cast<int64_t>(history.size()) - 1;
     fail(Exit::inference, "non-finite logits at position {} (token id {}) on the CPU", pos, bad % nv);
   }
+}
+
+int32_t Engine::eval_greedy(int32_t token, std::span<const int32_t> history) {
+  if (on_gpu_) {
+    try {
+      return fwd_->eval_greedy(token);
+    } catch (const std::exception& e) {
+      fall_back(e.what());
+      std::vector<float> logits;
+      fwd_->eval(history, false, logits);  // the CPU starts from an empty cache
+      const int64_t bad = first_non_finite(logits);
+      if (bad >= 0)
+        fail(Exit::inference, "non-finite logits at position {} (token id {}) on the CPU",
+             static_cast<int64_t>(history.size()) - 1, bad);
+      return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    }
+  }
+  std::vector<float> logits;
+  eval(std::span<const int32_t>(&token, 1), history, false, logits);
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
 }  // namespace moe::run

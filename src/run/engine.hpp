@@ -52,6 +52,11 @@ class Engine {
   void eval(std::span<const int32_t> tokens, std::span<const int32_t> history, bool all_logits,
             std::vector<float>& logits);
 
+  // Greedy decoding of one token (the tail of `history`) on the GPU without copying the logits back:
+  // returns the argmax (lowest id on ties). A GPU failure (an exception, or a non-finite logit that the
+  // device's argmax flags) falls back to the CPU as eval does; on the CPU it is eval + argmax.
+  int32_t eval_greedy(int32_t token, std::span<const int32_t> history);
+
   const BackendReport& report() const { return rep_; }
   bool on_gpu() const { return on_gpu_; }
   int64_t n_past() const { return fwd_->n_past(); }

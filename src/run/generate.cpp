@@ -141,12 +141,17 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
   const size_t last_row = dump ? static_cast<size_t>((n_prompt - 1) * nv) : 0;
   std::span<float> row(logits.data() + (interrupted ? 0 : last_row), interrupted ? 0 : static_cast<size_t>(nv));
   Sampler sampler(cfg.sampler);
+  // Plain greedy decoding on the GPU keeps the logits on the device (only the argmax comes back);
+  // any logit-dependent feature (a repeat penalty, sampling, dumps) takes the full row.
+  const bool device_greedy = sampler.greedy() && !dump &&
+                             (cfg.sampler.repeat_penalty == 1.0f || cfg.sampler.repeat_last_n == 0);
+  int32_t next = -1;  // the next token when the device already picked it
   while (!interrupted && static_cast<int64_t>(generated.size()) < cfg.max_tokens) {
     if (interrupt_requested()) {
       interrupted = true;
       break;
     }
-    const int32_t id = sampler.sample(row, history);
+    const int32_t id = next >= 0 ? next : sampler.sample(row, history);
     generated.push_back(id);
     history.push_back(id);
     t_last = Clock::now();
@@ -166,6 +171,11 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
       interrupted = true;
       break;
     }
+    if (device_greedy && engine.on_gpu()) {
+      next = engine.eval_greedy(history.back(), history);
+      continue;
+    }
+    next = -1;
     engine.eval(std::span<const int32_t>(&history.back(), 1), history, false, logits);
     if (dump) dumped.insert(dumped.end(), logits.begin(), logits.end());
     row = std::span<float>(logits.data(), static_cast<size_t>(nv));

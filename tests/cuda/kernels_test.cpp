@@ -135,11 +135,20 @@ TEST(CudaKernels, RmsnormRowsAndArgmax) {
   v[best] = 100.f;
   v[best + 1000] = 100.f;  // tie: the lower index wins
   Dev<float> dv(v);
-  Dev<int32_t> di(1);
+  Dev<int32_t> di(2);
   Dev<float> scratch(k::kArgmaxScratch);
   ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr));
   ok(cudaDeviceSynchronize());
   EXPECT_EQ(di.get()[0], best);
+  EXPECT_EQ(di.get()[1], 0) << "all finite";
+  // a NaN and an infinity are flagged; the argmax skips the NaN
+  v[77] = std::nanf("");
+  v[150000] = -INFINITY;
+  dv.put(v);
+  ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr));
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(di.get()[0], best);
+  EXPECT_EQ(di.get()[1], 1) << "non-finite values are flagged";
 }
 
 // CPU twin of routing: softmax over all experts, top k (lowest id on ties), renormalised.
@@ -389,3 +398,74 @@ TEST(CudaKernels, QkNormRopeStoreAndAttentionMatchTwin) {
 }
 
 }  // namespace
+
+// The fused decode attention (norm + RoPE + KV store + attention of one new token) against the same
+// twin: the new position's K/V are read back fp16-rounded like every cached one.
+TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int hd : {64, 128})
+    for (int past : {0, 70, 611}) {
+      const int n_head = 16, n_kv = 2, G = n_head / n_kv, ctx = 700;
+      const int Q = n_head * hd, KV = n_kv * hd;
+      const float eps = 1e-6f, theta_scale = std::pow(1e6f, -2.0f / hd);
+      std::vector<float> ck = randn(static_cast<size_t>(ctx) * KV, rng), cv = randn(static_cast<size_t>(ctx) * KV, rng);
+      std::vector<uint16_t> hk(ck.size()), hv(cv.size());
+      for (size_t i = 0; i < hk.size(); ++i) {
+        hk[i] = moe::quant::f32_to_fp16(ck[i]);
+        hv[i] = moe::quant::f32_to_fp16(cv[i]);
+        ck[i] = moe::quant::fp16_to_f32(hk[i]);
+        cv[i] = moe::quant::fp16_to_f32(hv[i]);
+      }
+      std::vector<float> qkv = randn(static_cast<size_t>(Q + 2 * KV), rng, 2.f), qn = randn(hd, rng), kn = randn(hd, rng);
+      // twin: normalised, rotated q; this position's K/V into the cache
+      std::vector<float> row = qkv;
+      for (int h = 0; h < n_head; ++h) norm_rope_cpu(&row[h * hd], qn.data(), hd, past, theta_scale, eps);
+      for (int g = 0; g < n_kv; ++g) {
+        norm_rope_cpu(&row[Q + g * hd], kn.data(), hd, past, theta_scale, eps);
+        for (int d = 0; d < hd; ++d) {
+          ck[past * KV + g * hd + d] = moe::quant::fp16_to_f32(moe::quant::f32_to_fp16(row[Q + g * hd + d]));
+          cv[past * KV + g * hd + d] = moe::quant::fp16_to_f32(moe::quant::f32_to_fp16(row[Q + KV + g * hd + d]));
+        }
+      }
+      moe::cuda::k::Rope rope;
+      rope.theta_scale = theta_scale;
+      for (int n_split : {1, 5, 64}) {
+        SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " n_split " << n_split);
+        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(static_cast<size_t>(n_kv) * n_split * G * (hd + 2));
+        Dev<uint16_t> dk(hk), dv(hv);
+        Dev<int32_t> dpos(std::vector<int32_t>{past});
+        Dev<int> counters(std::vector<int>(n_kv, 0));
+        ok(k::attention_decode(dqkv.p, dpos.p, dqn.p, dkn.p, eps, rope, dk.p, dv.p, n_head, n_kv, hd, n_split,
+                               partials.p, counters.p, out.p, nullptr));
+        ok(cudaDeviceSynchronize());
+        std::vector<float> o = out.get();
+        for (int h = 0; h < n_head; ++h) {
+          const int g = h / G, len = past + 1;
+          std::vector<double> s(len);
+          double mx = -1e300;
+          for (int p = 0; p < len; ++p) {
+            s[p] = dot(&row[h * hd], &ck[p * KV + g * hd], hd) / std::sqrt(static_cast<double>(hd));
+            mx = std::max(mx, s[p]);
+          }
+          double z = 0;
+          for (double& v : s) z += v = std::exp(v - mx);
+          for (int d = 0; d < hd; ++d) {
+            double acc = 0;
+            for (int p = 0; p < len; ++p) acc += s[p] * cv[p * KV + g * hd + d];
+            ASSERT_NEAR(o[h * hd + d], acc / z, 2e-4) << "head " << h << " dim " << d;
+          }
+        }
+        std::vector<uint16_t> gk = dk.get(), gv = dv.get();
+        for (int i = 0; i < KV; ++i) {
+          EXPECT_NEAR(moe::quant::fp16_to_f32(gk[past * KV + i]), ck[past * KV + i], 2e-3 * (1 + std::fabs(ck[past * KV + i])));
+          EXPECT_EQ(gv[past * KV + i], moe::quant::f32_to_fp16(cv[past * KV + i]));
+        }
+        EXPECT_EQ(dqkv.get(), qkv) << "the raw q/k/v row is left as it was";
+        std::vector<int> c = counters.get();
+        EXPECT_EQ(*std::max_element(c.begin(), c.end()), 0);
+      }
+    }
+}

@@ -62,8 +62,7 @@ std::vector<int32_t> prompt(int n, int64_t vocab, uint64_t seed) {
   return ids;
 }
 
-// expect_persistent: 1 = the decode must run as the persistent kernel, 0 = must not, -1 = either.
-void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx, int expect_persistent = -1) {
+void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   moe::quant::ThreadPool pool(static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
@@ -79,7 +78,6 @@ void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx,
   auto gpu = moe::cuda::make_forward(m, go, &info);
   EXPECT_FALSE(info.name.empty());
   EXPECT_GT(info.vram_used_mib, 0u);
-  if (expect_persistent >= 0) EXPECT_EQ(info.persistent_decode, expect_persistent == 1);
   const int64_t V = gpu->n_vocab();
   ASSERT_EQ(V, cpu->n_vocab());
 
@@ -155,17 +153,7 @@ TEST(CudaModel, SynthQwen3GeometryMatchesCpuExact) {
                           " --preset qwen3-30b-a3b --layers 2 --type q4_k_m --vocab " + MOE_TEST_DATA +
                           "/ggml-vocab-qwen2.gguf --threads 8 > /dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  Model m = moe::model::OwnedQuantizedModel::open(file.string());
-  {
-    SCOPED_TRACE("per-kernel decode graph (the default)");
-    compare_with_cpu(m, 70, 16, 512, 0);
-  }
-  {
-    SCOPED_TRACE("persistent decode kernel (MOE_CUDA_PERSISTENT=1)");
-    setenv("MOE_CUDA_PERSISTENT", "1", 1);
-    compare_with_cpu(m, 70, 16, 512, 1);
-    unsetenv("MOE_CUDA_PERSISTENT");
-  }
+  compare_with_cpu(moe::model::OwnedQuantizedModel::open(file.string()), 70, 16, 512);
   fs::remove_all(dir);
 }
 
