@@ -81,6 +81,60 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
   }
 }
 
+// One position of the online softmax for the G query heads of a lane: scores q·k (over the warp),
+// running max m, normaliser l and accumulated values acc (this lane's D dimensions).
+template <int D, int G>
+__device__ __forceinline__ void online_step(const float (&q)[G][D], const float (&kf)[D], const float (&vf)[D],
+                                            float (&m)[G], float (&l)[G], float (&acc)[G][D]) {
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    float s = 0.f;
+#pragma unroll
+    for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
+    s = warp_sum(s);
+    const float mn = fmaxf(m[h], s);
+    const float corr = expf(m[h] - mn);  // 0 on the first position (m = -inf)
+    const float pw = expf(s - mn);
+    l[h] = l[h] * corr + pw;
+#pragma unroll
+    for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
+    m[h] = mn;
+  }
+}
+
+// Positions c0 + first, c0 + first + NW, ... < c1 of one KV head (cache rows kv_dim halves apart, this lane's
+// dims at `off`) through online_step, four at a time so that their K/V loads are in flight together.
+// Position `cur` (if any) is taken from kn/vn (this lane's dims at lane * D) instead of the cache.
+template <int D, int G, int NW>
+__device__ __forceinline__ void attend_range(const float (&q)[G][D], const __half* kc, const __half* vc, int kv_dim,
+                                             int64_t off, int first, int c1, int cur, const float* kn,
+                                             const float* vn, float (&m)[G], float (&l)[G], float (&acc)[G][D]) {
+  const int lane = threadIdx.x & 31;
+  constexpr int U = 4;
+  for (int p0 = first; p0 < c1; p0 += U * NW) {
+    float kfu[U][D], vfu[U][D];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int p = p0 + u * NW;
+      if (p == cur) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          kfu[u][d] = kn[lane * D + d];
+          vfu[u][d] = vn[lane * D + d];
+        }
+      } else if (p < c1) {
+        load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + off, kfu[u]);
+        load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + off, vfu[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (p0 + u * NW >= c1) break;
+      online_step<D, G>(q, kfu[u], vfu[u], m, l, acc);
+    }
+  }
+}
+
 // grid (n_head_kv, n_split, n_tok), kAttnWarps warps. D = head_dim / 32 dims per lane, G query heads per kv head.
 template <int D, int G>
 __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* __restrict__ qkv, int qkv_stride,
@@ -128,39 +182,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
         q[h][d] = qs[h][lane * D + d];
       }
     }
-    // positions c0 + warp + kAttnWarps * i, four at a time: their K/V loads are in flight together
-    constexpr int U = 4;
-    for (int p0 = c0 + warp; p0 < c1; p0 += U * kAttnWarps) {
-      float kfu[U][D], vfu[U][D];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int p = p0 + u * kAttnWarps;
-        if (p < c1) {
-          load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kfu[u]);
-          load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vfu[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-      if (p0 + u * kAttnWarps >= c1) break;
-      const float(&kf)[D] = kfu[u];
-      const float(&vf)[D] = vfu[u];
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        float s = 0.f;
-#pragma unroll
-        for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
-        s = warp_sum(s);
-        const float mn = fmaxf(m[h], s);
-        const float corr = expf(m[h] - mn);  // 0 on the first position (m = -inf)
-        const float pw = expf(s - mn);
-        l[h] = l[h] * corr + pw;
-#pragma unroll
-        for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
-        m[h] = mn;
-      }
-      }
-    }
+    attend_range<D, G, kAttnWarps>(q, kc, vc, kv_dim, g * HD + lane * D, c0 + warp, c1, -1, nullptr, nullptr, m, l,
+                                   acc);
 #pragma unroll
     for (int h = 0; h < G; ++h) {
       if (lane == 0) {
@@ -336,45 +359,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
       q[h][d] = qs[h * HD + lane * D + d];
     }
   }
-  // positions c0 + warp + kWarps * i, four at a time: their K/V loads are in flight together
-  constexpr int U = 4;
-  for (int p0 = c0 + warp; p0 < c1; p0 += U * kWarps) {
-    float kfu[U][D], vfu[U][D];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int p = p0 + u * kWarps;
-      if (p == pos) {
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-          kfu[u][d] = kn[lane * D + d];
-          vfu[u][d] = vn[lane * D + d];
-        }
-      } else if (p < c1) {
-        load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, kfu[u]);
-        load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + g * HD + lane * D, vfu[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-    if (p0 + u * kWarps >= c1) break;
-    const float(&kf)[D] = kfu[u];
-    const float(&vf)[D] = vfu[u];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      float s = 0.f;
-#pragma unroll
-      for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
-      s = warp_sum(s);
-      const float mn = fmaxf(m[h], s);
-      const float corr = expf(m[h] - mn);
-      const float pw = expf(s - mn);
-      l[h] = l[h] * corr + pw;
-#pragma unroll
-      for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
-      m[h] = mn;
-    }
-    }
-  }
+  attend_range<D, G, kWarps>(q, kc, vc, kv_dim, g * HD + lane * D, c0 + warp, c1, pos, kn, vn, m, l, acc);
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     if (lane == 0) {

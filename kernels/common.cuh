@@ -118,15 +118,15 @@ __device__ __forceinline__ void load_act(const float* __restrict__ x, int n, con
 
 // Softmax over the n logits in shared memory, then the top k (lowest index on ties), weights
 // renormalised over the chosen set (clamped as llama.cpp does). Run by one warp.
-__device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, int k, int32_t* ids, float* weights,
-                                                  float* prob /* n floats of scratch */) {
+// prob[i] = softmax(logits)[i] for i < n, by one warp (logits and prob may be the same array).
+__device__ __forceinline__ void softmax_warp(const float* logits, int n, float* prob) {
   const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
   for (int i = lane; i < n; i += 32) mx = fmaxf(mx, logits[i]);
   mx = warp_max(mx);
   float sum = 0.f;
   for (int i = lane; i < n; i += 32) {
-    float p = expf(logits[i] - mx);
+    const float p = expf(logits[i] - mx);
     prob[i] = p;
     sum += p;
   }
@@ -134,6 +134,12 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
   const float inv = 1.f / sum;
   for (int i = lane; i < n; i += 32) prob[i] *= inv;
   __syncwarp();
+}
+
+__device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, int k, int32_t* ids, float* weights,
+                                                  float* prob /* n floats of scratch */) {
+  const int lane = threadIdx.x & 31;
+  softmax_warp(logits, n, prob);
   float chosen_sum = 0.f;
   for (int j = 0; j < k; ++j) {
     float best = -1.f;
@@ -168,21 +174,7 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
 __device__ __forceinline__ void softmax_topk_block(float* prob, int n, int k, int32_t* ids, float* weights,
                                                    float* red) {
   __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float mx = -INFINITY;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, prob[i]);
-    mx = warp_max(mx);
-    float sum = 0.f;
-    for (int i = lane; i < n; i += 32) {
-      const float p = expf(prob[i] - mx);
-      prob[i] = p;
-      sum += p;
-    }
-    sum = warp_sum(sum);
-    const float inv = 1.f / sum;
-    for (int i = lane; i < n; i += 32) prob[i] *= inv;
-  }
+  if (threadIdx.x < 32) softmax_warp(prob, n, prob);
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const float p = prob[i];

@@ -286,17 +286,6 @@ __device__ __forceinline__ float warp_sums(float (&acc)[NR], int lane) {
 }
 
 // ---- dense GEMV (up to three matrices sharing x) ---------------------------------------------------------
-struct GemvArgs {
-  GemvOut outs[3];
-  int tiles_before[4];  // prefix sums of the tiles of each matrix
-  int n_outs;
-  const float* x;
-  const float* norm_w;
-  float eps;
-  int cols;
-  int accumulate;
-};
-
 template <int NR>
 __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs a) {
   extern __shared__ float4 smem4[];
@@ -568,6 +557,23 @@ cudaError_t init_kernels() {
   return tc_init();
 }
 
+GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
+                   int rows_per_tile) {
+  GemvArgs a{};
+  a.n_outs = n_outs;
+  for (int i = 0; i < n_outs; ++i) {
+    a.outs[i] = outs[i];
+    a.tiles_before[i + 1] = a.tiles_before[i] + (outs[i].W.rows + rows_per_tile - 1) / rows_per_tile;
+  }
+  for (int i = n_outs + 1; i < 4; ++i) a.tiles_before[i] = a.tiles_before[n_outs];
+  a.x = x;
+  a.norm_w = norm_w;
+  a.eps = eps;
+  a.cols = outs[0].W.cols;
+  a.accumulate = accumulate ? 1 : 0;
+  return a;
+}
+
 // Kernel attributes (shared-memory limits) set once, for callers that did not call init_kernels.
 cudaError_t ensure_init() {
   static const cudaError_t e = init_kernels();
@@ -579,41 +585,15 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
   if (n_outs < 1 || n_outs > 3) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   bool tc = tc_enabled();
-  for (int i = 0; i < n_outs; ++i) tc = tc && tc_type(outs[i].W.type);
-  if (tc) {
-    TcGemvArgs t{};
-    t.n_outs = n_outs;
-    t.tiles_before[0] = 0;
-    for (int i = 0; i < n_outs; ++i) {
-      t.outs[i] = outs[i];
-      t.tiles_before[i + 1] = t.tiles_before[i] + (outs[i].W.rows + 15) / 16;
-    }
-    for (int i = n_outs + 1; i < 4; ++i) t.tiles_before[i] = t.tiles_before[n_outs];
-    t.x = x;
-    t.norm_w = norm_w;
-    t.eps = eps;
-    t.cols = outs[0].W.cols;
-    t.accumulate = accumulate ? 1 : 0;
-    return tc_gemv(t, s);
-  }
-  GemvArgs a{};
-  a.n_outs = n_outs;
   int rows_total = 0;
   for (int i = 0; i < n_outs; ++i) {
-    a.outs[i] = outs[i];
+    tc = tc && tc_type(outs[i].W.type);
     rows_total += outs[i].W.rows;
   }
+  if (tc) return tc_gemv(gemv_args(outs, n_outs, x, norm_w, eps, accumulate, 16), s);
   // four rows per warp when that still gives every SM about eight warps, else two
   const bool four = rows_total / 4 >= 8 * sm_count();
-  const int nr = four ? 4 : 2;
-  a.tiles_before[0] = 0;
-  for (int i = 0; i < n_outs; ++i) a.tiles_before[i + 1] = a.tiles_before[i] + (outs[i].W.rows + nr - 1) / nr;
-  for (int i = n_outs + 1; i < 4; ++i) a.tiles_before[i] = a.tiles_before[n_outs];
-  a.x = x;
-  a.norm_w = norm_w;
-  a.eps = eps;
-  a.cols = outs[0].W.cols;
-  a.accumulate = accumulate ? 1 : 0;
+  const GemvArgs a = gemv_args(outs, n_outs, x, norm_w, eps, accumulate, four ? 4 : 2);
   const size_t smem = x_smem(a.cols);
   const int n_tiles = a.tiles_before[n_outs];
   if (four) {

@@ -28,7 +28,7 @@ namespace {
 constexpr int kDenseWarps = 4;
 
 template <uint32_t T>
-__device__ __forceinline__ void tc_gemv_body(const TcGemvArgs& a, const Mat& W, float* y, int r0, uint2* xb,
+__device__ __forceinline__ void tc_gemv_body(const GemvArgs& a, const Mat& W, float* y, int r0, uint2* xb,
                                              float* red, float (*part)[16]) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   float* xsum32 = reinterpret_cast<float*>(xb + (a.cols / 32) * 32);
@@ -55,7 +55,7 @@ __device__ __forceinline__ void tc_gemv_body(const TcGemvArgs& a, const Mat& W, 
   }
 }
 
-__global__ void __launch_bounds__(kDenseWarps * 32, 4) tc_gemv_kernel(TcGemvArgs a) {
+__global__ void __launch_bounds__(kDenseWarps * 32, 4) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ uint2 xb[];
   __shared__ float red[32];
   __shared__ float part[kDenseWarps][16];
@@ -175,7 +175,7 @@ cudaError_t tc_init() {
   return cudaSuccess;
 }
 
-cudaError_t tc_gemv(const TcGemvArgs& a, cudaStream_t s) {
+cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
   return launch_pdl(tc_gemv_kernel, dim3(a.tiles_before[a.n_outs]), dim3(kDenseWarps * 32), xb_smem(a.cols), s, a);

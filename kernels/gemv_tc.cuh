@@ -10,9 +10,11 @@ bool tc_type(uint32_t type);
 // MOE_CUDA_TC=0 sends every type through the SIMT kernels (read at each call: tests compare both).
 bool tc_enabled();
 
-struct TcGemvArgs {
+// The arguments of a decode GEMV (gemv's): up to three matrices sharing x, cut into tiles of
+// rows_per_tile rows (16 for the tensor-core kernel, 2 or 4 for the SIMT one).
+struct GemvArgs {
   GemvOut outs[3];
-  int tiles_before[4];  // prefix sums of the 16-row tiles of each matrix
+  int tiles_before[4];  // prefix sums of the tiles of each matrix
   int n_outs;
   const float* x;
   const float* norm_w;
@@ -20,9 +22,11 @@ struct TcGemvArgs {
   int cols;
   int accumulate;
 };
+GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
+                   int rows_per_tile);
 
 cudaError_t tc_init();
-cudaError_t tc_gemv(const TcGemvArgs& a, cudaStream_t s);
+cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);
 cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
                        cudaStream_t s);
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,

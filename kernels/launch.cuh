@@ -89,7 +89,8 @@ constexpr int kArgmaxScratch = 256;
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s);
 
 // ---- prefill ----------------------------------------------------------------------------------------
-// Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled, weights dequantized in shared memory, fp32 math).
+// Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled on the tensor cores at fp32 accuracy: 2xTF32 on quant codes,
+// 3xTF32 on dequantized floats; see gemm.cu).
 cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y, int y_stride, bool accumulate,
                  cudaStream_t s);
 // Per token: softmax over the router logits, top n_used, renormalised weights.
