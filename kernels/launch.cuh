@@ -88,6 +88,9 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
 constexpr int kArgmaxScratch = 256;
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s);
 
+// An empty kernel of `blocks` x `threads` (measures the launch floor in a graph).
+cudaError_t noop(int blocks, int threads, cudaStream_t s);
+
 // ---- prefill ----------------------------------------------------------------------------------------
 // Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled on the tensor cores at fp32 accuracy: 2xTF32 on quant codes,
 // 3xTF32 on dequantized floats; see gemm.cu).

@@ -144,6 +144,43 @@ void time_kernel(benchmark::State& st, double bytes_per_call, F&& launch) {
   cudaStreamDestroy(s);
 }
 
+// 336 dependent empty kernels (the decode's 7 launches x 48 layers) replayed from one graph: the
+// per-kernel floor of launch + drain, with range(0) blocks of 128 threads each.
+void BM_LaunchChain(benchmark::State& st) {
+  const int blocks = static_cast<int>(st.range(0));
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < 336; ++i) ck(k::noop(blocks, 128, s));
+  ck(cudaStreamEndCapture(s, &graph));
+  ck(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  ck(cudaEventCreate(&e0));
+  ck(cudaEventCreate(&e1));
+  ck(cudaGraphLaunch(exec, s));
+  ck(cudaStreamSynchronize(s));
+  double total_ms = 0;
+  for (auto _ : st) {
+    ck(cudaEventRecord(e0, s));
+    ck(cudaGraphLaunch(exec, s));
+    ck(cudaEventRecord(e1, s));
+    ck(cudaEventSynchronize(e1));
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, e0, e1));
+    st.SetIterationTime(ms / 1e3);
+    total_ms += ms;
+  }
+  st.counters["us_per_kernel"] = total_ms * 1e3 / st.iterations() / 336;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(s);
+}
+BENCHMARK(BM_LaunchChain)->Arg(1)->Arg(132)->Arg(320)->Arg(1024)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 void BM_GemvLmHeadQ6K(benchmark::State& st) {
   DevMatrix W(Type::Q6_K, 151936, 2048);
   float* x = dev_floats(2048);
