@@ -2,6 +2,8 @@
 // codes, process behaviour (closed stdout, SIGINT), and greedy output against llama.cpp's goldens.
 #include <gtest/gtest.h>
 
+#include "test_util.hpp"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -55,17 +57,9 @@ struct Proc {
   }
 };
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using test_util::slurp;
 
-// Unique per process: ctest may run several of these tests at once.
-std::string temp_path(const std::string& name) {
-  return testing::TempDir() + "/moe_cli_" + std::to_string(getpid()) + "_" + name;
-}
+std::string temp_path(const std::string& name) { return test_util::temp_path("moe_cli_", name); }
 
 // Runs argv with extra environment entries; stdout/stderr captured through files.
 Proc run(std::vector<std::string> args, std::map<std::string, std::string> env = {}, const std::string& stdin_path = "/dev/null") {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "golden.hpp"
+#include "test_util.hpp"
 #include "moe/cpu.hpp"
 #include "moe/model.hpp"
 
@@ -18,15 +19,7 @@ namespace {
 constexpr double kRouterMarginMin = 0.05;  // rows below: the expert choice may flip (reported apart)
 constexpr double kTop2MarginMin = 0.3;     // greedy must agree at least up to the first step below this
 
-double cosine(const float* a, const float* b, int64_t n) {
-  double ab = 0, aa = 0, bb = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ab += static_cast<double>(a[i]) * b[i];
-    aa += static_cast<double>(a[i]) * a[i];
-    bb += static_cast<double>(b[i]) * b[i];
-  }
-  return ab / std::sqrt(aa * bb);
-}
+using test_util::cosine;
 
 // Rows [n_prompt + n_generated][n_vocab] of the forward over the golden sequence.
 std::vector<float> golden_sequence_logits(moe::Forward& f, const golden::Run& r) {

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "gpu.hpp"
+#include "test_util.hpp"
 #include "moe/cpu.hpp"
 #include "moe/error.hpp"
 #include "moe/model.hpp"
@@ -22,15 +23,7 @@ namespace fs = std::filesystem;
 using namespace gpu_test;
 using Model = std::shared_ptr<const moe::model::OwnedQuantizedModel>;
 
-double cosine(const float* a, const float* b, int64_t n) {
-  double ab = 0, aa = 0, bb = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    ab += static_cast<double>(a[i]) * b[i];
-    aa += static_cast<double>(a[i]) * a[i];
-    bb += static_cast<double>(b[i]) * b[i];
-  }
-  return ab / std::sqrt(aa * bb);
-}
+using test_util::cosine;
 
 int32_t argmax(const float* v, int64_t n) {
   int64_t b = 0;

@@ -5,6 +5,8 @@
 // with the documented exit code and one `error:` line, never a signal.
 #include <gtest/gtest.h>
 
+#include "test_util.hpp"
+
 #include <fcntl.h>
 #include <pwd.h>
 #include <spawn.h>
@@ -41,17 +43,9 @@ struct Proc {
   }
 };
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using test_util::slurp;
 
-// ctest runs each test as its own process, in parallel: names carry the pid.
-std::string temp_path(const std::string& name) {
-  return testing::TempDir() + "/moe_hardening_" + std::to_string(getpid()) + "_" + name;
-}
+std::string temp_path(const std::string& name) { return test_util::temp_path("moe_hardening_", name); }
 
 // Runs argv (stdin /dev/null, stdout/stderr captured through files). With run_as_uid >= 0 the
 // child drops to that user first (root reads any file, so unreadability is tested as another user).
