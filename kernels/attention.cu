@@ -2,11 +2,31 @@
 // split over the context (flash-decoding): each block runs an online softmax over its slice for the
 // query heads of one KV head, and the last block of a (token, kv head) merges the slices.
 #include "common.cuh"
+#include "trace.cuh"
 
 namespace moe::cuda::k {
 using namespace dev;
 
 namespace {
+
+// cos and sin (times mscale) of RoPE pair i at position pos.
+__device__ __forceinline__ void rope_cos_sin(int i, int pos, const Rope& rope, float& c, float& s) {
+  // theta as the CPU builds it: pos, multiplied by theta_scale once per pair
+  float theta = static_cast<float>(pos);
+  for (int j = 0; j < i; ++j) theta *= rope.theta_scale;
+  float th = theta * rope.freq_scale;
+  if (rope.yarn) {
+    const float y = (static_cast<float>(i) - rope.corr_lo) / fmaxf(0.001f, rope.corr_hi - rope.corr_lo);
+    const float ramp = 1.f - fminf(1.f, fmaxf(0.f, y));
+    th = th * (1.f - ramp) + theta * ramp;
+  }
+  // double-precision sin/cos: --use_fast_math would otherwise give the approximate ones, which are
+  // wrong far from zero (theta reaches the position count).
+  double sd, cd;
+  sincos(static_cast<double>(th), &sd, &cd);
+  c = static_cast<float>(cd) * rope.mscale;
+  s = static_cast<float>(sd) * rope.mscale;
+}
 
 // One block per (head, token); head_dim/2 threads, thread i owns the RoPE pair (i, i + head_dim/2).
 __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const float* __restrict__ q_norm,
@@ -26,20 +46,8 @@ __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const
   const float scale = rsqrtf(ss / static_cast<float>(hd) + eps);
   a = a * scale * gain[i];
   b = b * scale * gain[i + half_d];
-  // theta as the CPU builds it: pos, multiplied by theta_scale once per pair
-  float theta = static_cast<float>(pos);
-  for (int j = 0; j < i; ++j) theta *= rope.theta_scale;
-  float th = theta * rope.freq_scale;
-  if (rope.yarn) {
-    float y = (static_cast<float>(i) - rope.corr_lo) / fmaxf(0.001f, rope.corr_hi - rope.corr_lo);
-    float ramp = 1.f - fminf(1.f, fmaxf(0.f, y));
-    th = th * (1.f - ramp) + theta * ramp;
-  }
-  // double-precision sin/cos: --use_fast_math would otherwise give the approximate ones, which are
-  // wrong far from zero (theta reaches the position count).
-  double sd, cd;
-  sincos(static_cast<double>(th), &sd, &cd);
-  const float c = static_cast<float>(cd) * rope.mscale, s = static_cast<float>(sd) * rope.mscale;
+  float c, s;
+  rope_cos_sin(i, pos, rope, c, s);
   const float ra = a * c - b * s, rb = a * s + b * c;
   if (is_q) {
     v[i] = ra;
@@ -81,29 +89,10 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
   }
 }
 
-// One position of the online softmax for the G query heads of a lane: scores q·k (over the warp),
-// running max m, normaliser l and accumulated values acc (this lane's D dimensions).
-template <int D, int G>
-__device__ __forceinline__ void online_step(const float (&q)[G][D], const float (&kf)[D], const float (&vf)[D],
-                                            float (&m)[G], float (&l)[G], float (&acc)[G][D]) {
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    float s = 0.f;
-#pragma unroll
-    for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kf[d], s);
-    s = warp_sum(s);
-    const float mn = fmaxf(m[h], s);
-    const float corr = expf(m[h] - mn);  // 0 on the first position (m = -inf)
-    const float pw = expf(s - mn);
-    l[h] = l[h] * corr + pw;
-#pragma unroll
-    for (int d = 0; d < D; ++d) acc[h][d] = acc[h][d] * corr + pw * vf[d];
-    m[h] = mn;
-  }
-}
-
 // Positions c0 + first, c0 + first + NW, ... < c1 of one KV head (cache rows kv_dim halves apart, this lane's
-// dims at `off`) through online_step, four at a time so that their K/V loads are in flight together.
+// dims at `off`) through an online softmax for the G query heads of a lane (running max m, normaliser l,
+// accumulated values acc of this lane's D dimensions), U positions at a time: their K/V loads are in
+// flight together, their U x G warp reductions interleave, and one rescale covers all U.
 // Position `cur` (if any) is taken from kn/vn (this lane's dims at lane * D) instead of the cache.
 template <int D, int G, int NW>
 __device__ __forceinline__ void attend_range(const float (&q)[G][D], const __half* kc, const __half* vc, int kv_dim,
@@ -125,12 +114,46 @@ __device__ __forceinline__ void attend_range(const float (&q)[G][D], const __hal
       } else if (p < c1) {
         load_halves<D>(kc + static_cast<int64_t>(p) * kv_dim + off, kfu[u]);
         load_halves<D>(vc + static_cast<int64_t>(p) * kv_dim + off, vfu[u]);
+      } else {
+#pragma unroll
+        for (int d = 0; d < D; ++d) kfu[u][d] = vfu[u][d] = 0.f;
       }
     }
+    float sc[U][G];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (p0 + u * NW >= c1) break;
-      online_step<D, G>(q, kfu[u], vfu[u], m, l, acc);
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float s = 0.f;
+#pragma unroll
+        for (int d = 0; d < D; ++d) s = fmaf(q[h][d], kfu[u][d], s);
+        sc[u][h] = s;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < G; ++h) sc[u][h] += __shfl_xor_sync(0xffffffffu, sc[u][h], o);
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float mn = m[h];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (p0 + u * NW < c1) mn = fmaxf(mn, sc[u][h]);
+      const float corr = expf(m[h] - mn);  // 0 on the first positions (m = -inf)
+      l[h] *= corr;
+#pragma unroll
+      for (int d = 0; d < D; ++d) acc[h][d] *= corr;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (p0 + u * NW >= c1) break;
+        const float pw = expf(sc[u][h] - mn);
+        l[h] += pw;
+#pragma unroll
+        for (int d = 0; d < D; ++d) acc[h][d] = fmaf(pw, vfu[u][d], acc[h][d]);
+      }
+      m[h] = mn;
     }
   }
 }
@@ -266,32 +289,32 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float*
   }
 }
 
-// Per-head RMSNorm (gain) and NEOX RoPE of `in` (hd floats) by one warp; out = result * out_scale.
-__device__ void norm_rope_warp(const float* in, const float* gain, int hd, int pos, float eps, const Rope& rope,
+// Per-head RMSNorm (gain) and NEOX RoPE of `in` (HD floats) by one warp; out = result * out_scale.
+// Lane l holds elements l + 32k (one load round trip); its RoPE pairs are (k, k + HD / 64).
+template <int HD>
+__device__ void norm_rope_warp(const float* in, const float* gain, int pos, float eps, const Rope& rope,
                                float out_scale, float* out) {
-  const int lane = threadIdx.x & 31, half_d = hd / 2;
-  float ss = 0.f;
-  for (int i = lane; i < hd; i += 32) {
-    const float v = __ldcg(in + i);
-    ss += v * v;
+  constexpr int NV = HD / 32, HALF = HD / 2;
+  const int lane = threadIdx.x & 31;
+  float v[NV], gw[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    v[k] = __ldcg(in + lane + 32 * k);
+    gw[k] = gain[lane + 32 * k];
   }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) ss += v[k] * v[k];
   ss = warp_sum(ss);
-  const float scale = rsqrtf(ss / static_cast<float>(hd) + eps);
-  for (int i = lane; i < half_d; i += 32) {
-    const float a = __ldcg(in + i) * scale * gain[i], b = __ldcg(in + i + half_d) * scale * gain[i + half_d];
-    float theta = static_cast<float>(pos);
-    for (int j = 0; j < i; ++j) theta *= rope.theta_scale;
-    float th = theta * rope.freq_scale;
-    if (rope.yarn) {
-      const float y = (static_cast<float>(i) - rope.corr_lo) / fmaxf(0.001f, rope.corr_hi - rope.corr_lo);
-      const float ramp = 1.f - fminf(1.f, fmaxf(0.f, y));
-      th = th * (1.f - ramp) + theta * ramp;
-    }
-    double sd, cd;
-    sincos(static_cast<double>(th), &sd, &cd);
-    const float c = static_cast<float>(cd) * rope.mscale, s = static_cast<float>(sd) * rope.mscale;
+  const float scale = rsqrtf(ss / static_cast<float>(HD) + eps);
+#pragma unroll
+  for (int k = 0; k < NV / 2; ++k) {
+    const int i = lane + 32 * k;
+    const float a = v[k] * scale * gw[k], b = v[k + NV / 2] * scale * gw[k + NV / 2];
+    float c, s;
+    rope_cos_sin(i, pos, rope, c, s);
     out[i] = (a * c - b * s) * out_scale;
-    out[i + half_d] = (a * s + b * c) * out_scale;
+    out[i + HALF] = (a * s + b * c) * out_scale;
   }
 }
 
@@ -316,6 +339,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
   const int g = blockIdx.x, sp = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
+  MOE_TRACE_SCOPE(4);
   pdl_sync();
   const int pos = pos0[0];
   const int len = pos + 1;
@@ -332,9 +356,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
   __shared__ bool last;
   const float* row = qkv;
   for (int h = warp; h < G; h += kWarps)
-    norm_rope_warp(row + (g * G + h) * HD, q_norm, HD, pos, eps, rope, rsqrtf(static_cast<float>(HD)), qs + h * HD);
+    norm_rope_warp<HD>(row + (g * G + h) * HD, q_norm, pos, eps, rope, rsqrtf(static_cast<float>(HD)), qs + h * HD);
   if (warp == kWarps - 1) {
-    norm_rope_warp(row + q_dim + g * HD, k_norm, HD, pos, eps, rope, 1.f, kn);
+    norm_rope_warp<HD>(row + q_dim + g * HD, k_norm, pos, eps, rope, 1.f, kn);
     __syncwarp();
     for (int i = lane; i < HD; i += 32) {
       const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(__ldcg(row + q_dim + kv_dim + g * HD + i));
@@ -347,6 +371,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
     }
   }
   __syncthreads();
+  MOE_TRACE_MARK(1);
   const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
   float m[G], l[G], acc[G][D], q[G][D];
 #pragma unroll
@@ -370,6 +395,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
     for (int d = 0; d < D; ++d) wacc[(warp * G + h) * HD + lane * D + d] = acc[h][d];
   }
   __syncthreads();
+  MOE_TRACE_MARK(2);
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;
   float* out = out_all + g * G * HD;
@@ -525,3 +551,5 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
 }
 
 }  // namespace moe::cuda::k
+
+MOE_TRACE_TU(attention)

@@ -30,6 +30,19 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* p, int64_t bytes, int
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
 }
 
+// Starts pulling [p, p + bytes) into L2 through the SM's TMA unit (sm_90; nothing before): no registers,
+// and nothing comes back through L1, so loads this SM issues next are not queued behind the DRAM
+// misses (a decode GEMV's staging of x measured ~3 us slower behind ordinary weight loads). p must be
+// 16-byte aligned and bytes a multiple of 16 (device weight rows are, layout.cuh).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // Activations live in shared memory as groups of 32 floats (8 float4 chunks). Chunk c of group g is
 // stored at float4 index 8g + (c ^ (g & 7)): lanes of a warp read different groups at once, and
 // without the xor 8 of them would hit the same 16-byte bank.
@@ -167,35 +180,62 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
   __syncwarp();
 }
 
-// The same choice by a whole block (any blockDim, a multiple of 32): probabilities as the warp
-// version, then each expert's rank counted in parallel (ties to the lower id), so the k picks cost one
-// pass instead of k. prob holds the n logits on entry (shared memory) and their probabilities after.
-// ids/weights get the k experts in rank order.
-__device__ __forceinline__ void softmax_topk_block(float* prob, int n, int k, int32_t* ids, float* weights,
-                                                   float* red) {
+// The experts of one token chosen by a whole block (blockDim a multiple of 64, >= 64) from its router
+// logits in global memory (n <= kMaxExperts, written by the previous kernel; s_logit and s_prob hold n
+// floats of shared memory each): probabilities as the warp
+// version, then each expert's rank counted in parallel (ties to the lower id), the k picks renormalised
+// (clamped as llama.cpp does). On return (after a barrier) every thread sees s_id/s_w[0..k) in rank
+// order. Each block of the expert kernels runs it itself: no block has to wait for a last one.
+constexpr int kMaxExperts = 1024;
+__device__ __forceinline__ void choose_experts(const float* logits, int n, int k, float* s_logit, float* s_prob,
+                                               int32_t* s_id, float* s_w) {
+  const int lane = threadIdx.x & 31;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s_logit[i] = __ldcg(logits + i);
   __syncthreads();
-  if (threadIdx.x < 32) softmax_warp(prob, n, prob);
+  // every warp forms the max and the sum itself (as softmax_warp does): no barrier between the two
+  float mx = -INFINITY;
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, s_logit[i]);
+  mx = warp_max(mx);
+  float sum = 0.f;
+  for (int i = lane; i < n; i += 32) sum += expf(s_logit[i] - mx);
+  const float inv = 1.f / warp_sum(sum);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s_prob[i] = expf(s_logit[i] - mx) * inv;
   __syncthreads();
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float p = prob[i];
-    int rank = 0;
-    for (int j = 0; j < n; ++j) {
-      const float q = prob[j];
-      rank += (q > p) || (q == p && j < i);
+  // rank of element i = the number of elements before it; two lanes per element split the comparisons
+  // (four running counts each, so that the adds do not form one long chain)
+  const int half = (n + 1) >> 1;
+  for (int base = 0; base < 2 * n; base += blockDim.x) {
+    const int i2 = base + static_cast<int>(threadIdx.x), i = i2 >> 1, h = i2 & 1;
+    int r[4] = {0, 0, 0, 0};
+    if (i < n) {
+      const float p = s_prob[i];
+      const int j0 = h * half, j1 = min(n, j0 + half);
+      int j = j0;
+      for (; j + 4 <= j1; j += 4)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float q = s_prob[j + u];
+          r[u] += (q > p) || (q == p && j + u < i);
+        }
+      for (; j < j1; ++j) {
+        const float q = s_prob[j];
+        r[0] += (q > p) || (q == p && j < i);
+      }
     }
-    if (rank < k) {
-      ids[rank] = i;
-      weights[rank] = p;
+    int rank = (r[0] + r[1]) + (r[2] + r[3]);
+    rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+    if (i < n && h == 0 && rank < k) {
+      s_id[rank] = i;
+      s_w[rank] = s_prob[i];
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float s = 0.f;
-    for (int j = 0; j < k; ++j) s += weights[j];
-    red[0] = fmaxf(s, 6.103515625e-5f);
+  if (threadIdx.x < 32) {
+    const float w0 = lane < k ? s_w[lane] : 0.f, w1 = lane + 32 < k ? s_w[lane + 32] : 0.f;
+    const float total = fmaxf(warp_sum(w0 + w1), 6.103515625e-5f);  // clamped as llama.cpp does
+    if (lane < k) s_w[lane] = w0 / total;
+    if (lane + 32 < k) s_w[lane + 32] = w1 / total;
   }
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < k) weights[threadIdx.x] = weights[threadIdx.x] / red[0];
   __syncthreads();
 }
 

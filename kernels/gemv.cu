@@ -15,6 +15,7 @@
 #include <cstdlib>
 
 #include "common.cuh"
+#include "trace.cuh"
 #include "gemv_tc.cuh"
 
 namespace moe::cuda::k {
@@ -341,14 +342,12 @@ __device__ __forceinline__ void route_dot_t(const uint8_t* row, int n_groups, co
 }
 
 // One block per router row (an F32 row is loaded into registers before waiting on the previous
-// kernel); the last block to finish sees every logit and picks the experts.
+// kernel). The choice of experts is left to the expert kernel's blocks (choose_experts).
 __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __restrict__ x,
                                                               const float* __restrict__ norm_w, float eps, Mat R,
-                                                              int n_used, float* h_out, float* scratch, int* counter,
-                                                              int32_t* ids, float* weights) {
-  extern __shared__ float smem[];
+                                                              float* h_out, float* logits) {
   __shared__ float red[32];
-  __shared__ bool last;
+  MOE_TRACE_SCOPE(5);
   const int r = blockIdx.x;
   const int n4 = R.cols >> 2;
   const bool in_regs = R.type == layout::F32 && n4 <= kRouteRegs * kRouteThreads;
@@ -385,6 +384,7 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __res
     ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
   }
   ss = block_sum(ss, red);
+  MOE_TRACE_MARK(1);
   const float scale = rsqrtf(ss / static_cast<float>(R.cols) + eps);
   float acc = 0.f;
   if (in_regs) {
@@ -403,17 +403,8 @@ __global__ void __launch_bounds__(kRouteThreads) route_kernel(const float* __res
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < R.cols; i += blockDim.x) h_out[i] = x[i] * scale * norm_w[i];
   acc = block_sum(acc, red);
-  if (threadIdx.x == 0) scratch[r] = acc;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float* logits = smem;  // R.rows floats
-  for (int i = threadIdx.x; i < R.rows; i += blockDim.x) logits[i] = __ldcg(scratch + i);
-  softmax_topk_block(logits, R.rows, n_used, ids, weights, red);
-  if (threadIdx.x == 0) *counter = 0;
+  if (threadIdx.x == 0) logits[r] = acc;
+  MOE_TRACE_MARK(2);
 }
 
 // ---- experts -----------------------------------------------------------------------------------------
@@ -421,14 +412,22 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 // Tiles of two output rows of one chosen expert: gate rows r0, r0 + 1 and up rows r0, r0 + 1.
 __global__ void __launch_bounds__(kThreads, 2) expert_gate_up_kernel(Mat G, Mat U, const float* __restrict__ h,
-                                                                  const int32_t* __restrict__ ids, int n_used,
+                                                                  const float* __restrict__ logits, int n_expert,
+                                                                  int n_used, int32_t* ids_out, float* w_out,
                                                                   float* act) {
   extern __shared__ float4 smem4[];
   __shared__ float red[32];
+  __shared__ float s_logit[kMaxExperts], prob[kMaxExperts], s_w[64];
+  __shared__ int32_t ids[64];
   float* xs = reinterpret_cast<float*>(smem4);
   float* sum16 = xs + G.cols;
   const int lane = threadIdx.x & 31;
-  pdl_sync();  // the expert ids come from the previous kernel
+  pdl_sync();  // the router logits come from the previous kernel
+  choose_experts(logits, n_expert, n_used, s_logit, prob, ids, s_w);
+  if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {
+    ids_out[threadIdx.x] = ids[threadIdx.x];
+    w_out[threadIdx.x] = s_w[threadIdx.x];
+  }
   stage_x(h, G.cols, nullptr, 0.f, xs, sum16, red);
   const int tiles_per_expert = (G.rows + 1) >> 1;
   const int n_tiles = tiles_per_expert * n_used;
@@ -551,7 +550,6 @@ cudaError_t init_kernels() {
   cudaError_t e;
   if ((e = cudaFuncSetAttribute(gemv_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(gemv_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
-  if ((e = cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(expert_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(expert_down_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   return tc_init();
@@ -604,23 +602,23 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
   return launch_pdl(gemv_kernel<2>, dim3(grid_for(n_tiles, per_sm)), dim3(kThreads), smem, s, a);
 }
 
-cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, int n_used, float* h_out,
-                        float* scratch, int* counter, int32_t* ids, float* weights, cudaStream_t s) {
+cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, float* h_out, float* logits,
+                        cudaStream_t s) {
   if (cudaError_t e = ensure_init()) return e;
-  const size_t smem = static_cast<size_t>(R.rows) * sizeof(float);
-  return launch_pdl(route_kernel, dim3(R.rows), dim3(kRouteThreads), smem, s, x, norm_w, eps, R, n_used, h_out, scratch,
-                    counter, ids, weights);
+  return launch_pdl(route_kernel, dim3(R.rows), dim3(kRouteThreads), 0, s, x, norm_w, eps, R, h_out, logits);
 }
 
-cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
-                           cudaStream_t s) {
+cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
+                           int32_t* ids, float* weights, float* act, cudaStream_t s) {
+  if (n_expert < 1 || n_expert > dev::kMaxExperts || n_used < 1 || n_used > 64 || n_used > n_expert)
+    return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   if (tc_enabled() && tc_type(G.type) && tc_type(U.type) && G.cols == U.cols && G.rows == U.rows)
-    return tc_gate_up(G, U, h, ids, n_used, act, s);
+    return tc_gate_up(G, U, h, logits, n_expert, n_used, ids, weights, act, s);
   const int n_tiles = (G.rows + 1) / 2 * n_used;
   static const int per_sm = blocks_per_sm(expert_gate_up_kernel, kThreads, x_smem(4096));
   return launch_pdl(expert_gate_up_kernel, dim3(grid_for(n_tiles, per_sm)), dim3(kThreads), x_smem(G.cols), s, G, U,
-                    h, ids, n_used, act);
+                    h, logits, n_expert, n_used, ids, weights, act);
 }
 
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
@@ -635,3 +633,5 @@ cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, 
 }
 
 }  // namespace moe::cuda::k
+
+MOE_TRACE_TU(gemv)

@@ -2,22 +2,25 @@
 //
 // Why: dequantizing 4- to 6-bit weights to fp32 and multiplying on the FMA pipe costs ~4 instructions
 // per weight, which made the SIMT GEMVs compute- and instruction-fetch-bound far below the memory
-// bandwidth. Here the quants go into bf16 registers unscaled (small integers, exact), one
-// mma.m16n8k16 multiplies 16 rows x 16 elements, and the block scales are applied to the fp32 results.
+// bandwidth; a decode GEMV is a chain of dependent instructions per warp, so every instruction per
+// weight costs latency. Here the quant codes go unscaled into an integer MMA (mma.m16n8k32 u8 x s8:
+// 16 rows x 32 codes per instruction, the codes need only a mask and a shift), and the block scales
+// are applied in int32 per sub-block and in fp32 per super-block.
 //
-// Accuracy: x is split into three bf16 parts (x = x0 + x1 + x2 up to ~2^-24 |x|) which fill the MMA's
-// B columns 0, 1, 2 (columns 3-7 are zero), so W·x is formed from exact products with fp32
-// accumulation: the same result as the fp32 SIMT path up to the order of the sums.
+// Accuracy: x is quantized per group of 256 to 16-bit integers split in two int8 B columns (tc.cuh),
+// i.e. ~1.5e-5 of the group's largest element; the products and sums are exact in int32. That is
+// 128x finer than the 8-bit Q8_K activations llama.cpp multiplies K-quants with on the CPU.
 //
 // Layout of the work: a block owns 16 consecutive output rows (the MMA's M); its warps split the
 // super-blocks of the (possibly segmented) input. Lane (g = lane / 4, t = lane % 4) loads rows g and
-// g + 8; for each 32-element group s and half h of it, the MMA's k positions (2t, 2t+1, 2t+8, 2t+9)
-// hold elements 16h + 4t + (0, 2, 1, 3) of the group, i.e. bytes 0, 2, 1, 3 of the lane's 32-bit word
-// of packed quants. The B fragments of x in that order are built once per block in shared memory.
+// g + 8; for each 32-element group the MMA's k positions 4t..4t+3 and 16+4t..16+4t+3 are the bytes of
+// the lane's two 32-bit words of packed quants, in their natural order.
+#include <algorithm>
 #include <cstdlib>
 
 #include "gemv_tc.cuh"
 #include "tc.cuh"
+#include "trace.cuh"
 
 namespace moe::cuda::k {
 using namespace tc;
@@ -25,75 +28,127 @@ using namespace tc;
 namespace {
 
 // ---- dense: up to three matrices sharing x ------------------------------------------------------------
-constexpr int kDenseWarps = 4;
+// A block stages x once and then runs 16-row tiles blockIdx.x, + gridDim.x, ...: one tile per block for
+// the per-layer matrices (their tile counts fit one wave), many for the LM head, whose 9,496 tiles would
+// otherwise each pay for staging x.
+// Eight warps per tile, one K-quant super-block each for the usual 2,048 columns: measured faster than
+// four warps with the next super-block's loads pipelined (BM_Decode/0 332 vs 321 tok/s).
+constexpr int NW = 8;
 
 template <uint32_t T>
-__device__ __forceinline__ void tc_gemv_body(const GemvArgs& a, const Mat& W, float* y, int r0, uint2* xb,
-                                             float* red, float (*part)[16]) {
+__device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
+                                             float (*part)[16]) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-  float* xsum32 = reinterpret_cast<float*>(xb + (a.cols / 32) * 32);
   const uint8_t* rg = W.data + min(r0 + g, W.rows - 1) * W.row_stride;
   const uint8_t* r8 = W.data + min(r0 + g + 8, W.rows - 1) * W.row_stride;
-  auto rows = [&](int, int i) { return i ? r8 : rg; };
-  const int n_sb = a.cols / 256;
-  // the weights do not depend on the previous kernel: this warp's first super-block is loaded before
-  // waiting for it (with programmatic dependent launch that overlaps the previous kernel's tail)
-  SbRaw pre;
-  if (warp < n_sb) tile16_preload<T>(rows, n_sb, warp, pre);
-  pdl_sync();
-  stage_xb<4>(a.x, a.cols, a.norm_w, a.eps, xb, xsum32, red);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T>(rows, [](int) { return 1.f; }, 1, n_sb, warp, kDenseWarps, xb, xsum32, acc, pre, warp < n_sb);
+  tile16<T, false>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, NW, xq,
+                   acc);
+  MOE_TRACE_MARK(2);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
   if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < W.rows) {
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDenseWarps; ++w) v += part[w][threadIdx.x];
+    for (int w = 0; w < NW; ++w) v += part[w][threadIdx.x];
     float* yr = y + r0 + threadIdx.x;
     *yr = a.accumulate ? *yr + v : v;
   }
+  __syncthreads();  // part is reused by the next tile
 }
 
-__global__ void __launch_bounds__(kDenseWarps * 32, 4) tc_gemv_kernel(GemvArgs a) {
-  extern __shared__ uint2 xb[];
+// Every kernel here first has the SM's TMA pull its weight rows into L2 (bulk_prefetch_l2: the loads of
+// x behind them are not delayed), stages x, and then loads the weights, by then on their way to L2.
+
+// R: float4s of x per thread held in registers while staging (2: 2,048 columns, 4: 4,096).
+template <int R>
+__global__ void __launch_bounds__(NW * 32, 3) tc_gemv_kernel(GemvArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
-  __shared__ float part[kDenseWarps][16];
-  int m = 0;
-  while (static_cast<int>(blockIdx.x) >= a.tiles_before[m + 1]) ++m;
-  const Mat& W = a.outs[m].W;
-  const int r0 = (blockIdx.x - a.tiles_before[m]) * 16;
-  switch (W.type) {
-    case layout::Q4_K: tc_gemv_body<layout::Q4_K>(a, W, a.outs[m].y, r0, xb, red, part); break;
-    case layout::Q5_K: tc_gemv_body<layout::Q5_K>(a, W, a.outs[m].y, r0, xb, red, part); break;
-    case layout::Q6_K: tc_gemv_body<layout::Q6_K>(a, W, a.outs[m].y, r0, xb, red, part); break;
-    default: break;
+  __shared__ float part[NW][16];
+  MOE_TRACE_SCOPE(1);
+  const XQ xq = carve_xq(smem, a.cols);
+  const int total = a.tiles_before[a.n_outs];
+  auto find = [&](int tile, int& m) {
+    m = 0;
+    while (tile >= a.tiles_before[m + 1]) ++m;
+    return (tile - a.tiles_before[m]) * 16;
+  };
+  auto prefetch = [&](int tile) {  // the 16 rows of a tile, one per thread
+    if (tile >= total || threadIdx.x >= 16) return;
+    int m;
+    const int r = find(tile, m) + threadIdx.x;
+    const Mat& W = a.outs[m].W;
+    if (r < W.rows) bulk_prefetch_l2(W.data + r * W.row_stride, tc_row_bytes(W.type, W.cols));
+  };
+  prefetch(blockIdx.x);  // the weights do not depend on the previous kernel
+  pdl_sync();
+  XLoad<R> xl;
+  stage_load<R>(a.x, a.cols, a.norm_w, xl);
+  prefetch(blockIdx.x + gridDim.x);
+  stage_finish<R>(a.x, a.cols, a.norm_w, a.eps, xl, xq, red);
+  MOE_TRACE_MARK(1);
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    prefetch(tile + 2 * gridDim.x);
+    int m;
+    const int r0 = find(tile, m);
+    const Mat& W = a.outs[m].W;
+    switch (W.type) {
+      case layout::Q4_K: tc_gemv_tile<layout::Q4_K>(a, W, a.outs[m].y, r0, xq, part); break;
+      case layout::Q5_K: tc_gemv_tile<layout::Q5_K>(a, W, a.outs[m].y, r0, xq, part); break;
+      case layout::Q6_K: tc_gemv_tile<layout::Q6_K>(a, W, a.outs[m].y, r0, xq, part); break;
+      default: break;
+    }
   }
 }
 
 // ---- experts ------------------------------------------------------------------------------------------
-// Block = 16 rows of one chosen expert; warps 0-3 the gate rows, 4-7 the up rows.
-__global__ void __launch_bounds__(256, 2) tc_gate_up_kernel(Mat G, Mat U, const float* __restrict__ h,
-                                                         const int32_t* __restrict__ ids, float* act) {
-  extern __shared__ uint2 xb[];
+// Block = 16 rows of one chosen expert; warps 0-3 the gate rows, 4-7 the up rows, two super-blocks each
+// (the second one's loads issued before the first is multiplied, except for Q6_K: registers). Three
+// blocks per SM: 48 tiles x 8 experts of Qwen3-30B-A3B fit the H200's 132 SMs in one wave.
+__global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(Mat G, Mat U, const float* __restrict__ h,
+                                                         const float* __restrict__ logits, int n_expert, int n_used,
+                                                         int32_t* ids_out, float* w_out, float* act) {
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[8][16];
+  __shared__ float s_logit[kMaxExperts], prob[kMaxExperts], s_w[64];
+  __shared__ int32_t s_id[64];
+  MOE_TRACE_SCOPE(2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   const int tiles = (G.rows + 15) / 16;
   const int j = blockIdx.x / tiles, r0 = (blockIdx.x - j * tiles) * 16;
-  float* xsum32 = reinterpret_cast<float*>(xb + (G.cols / 32) * 32);
-  pdl_sync();  // the expert ids come from the previous kernel
-  const int e = ids[j];
-  stage_xb<2>(h, G.cols, nullptr, 0.f, xb, xsum32, red);
+  const XQ xq = carve_xq(smem, G.cols);
+  pdl_sync();  // the router logits and h come from the previous kernel
+  XLoad<2> xl;
+  stage_load<2>(h, G.cols, nullptr, xl);
+  choose_experts(logits, n_expert, n_used, s_logit, prob, s_id, s_w);
+  if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {  // for the down kernel
+    ids_out[threadIdx.x] = s_id[threadIdx.x];
+    w_out[threadIdx.x] = s_w[threadIdx.x];
+  }
+  const int e = s_id[j];
+  if (warp == 0 && r0 + (lane & 15) < G.rows) {  // lanes 0-15: gate rows, 16-31: up rows
+    const Mat& P = lane < 16 ? G : U;
+    bulk_prefetch_l2(P.data + e * P.expert_stride + (r0 + (lane & 15)) * P.row_stride, tc_row_bytes(P.type, P.cols));
+  }
+  stage_finish<2>(h, G.cols, nullptr, 0.f, xl, xq, red);
+  MOE_TRACE_MARK(1);
   const bool up = warp >= 4;
   const Mat& M = up ? U : G;
   const uint8_t* base = M.data + e * M.expert_stride;
   const uint8_t* rg = base + min(r0 + g, M.rows - 1) * M.row_stride;
   const uint8_t* r8 = base + min(r0 + g + 8, M.rows - 1) * M.row_stride;
+  auto rows = [&](int, int i) { return i ? r8 : rg; };
+  auto one = [](int) { return 1.f; };
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16_any(
-      M.type, [&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, M.cols / 256, warp & 3, 4, xb,
-      xsum32, acc);
+  switch (M.type) {
+    case layout::Q4_K: tile16<layout::Q4_K, true>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
+    case layout::Q5_K: tile16<layout::Q5_K, true>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
+    case layout::Q6_K: tile16<layout::Q6_K, false>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
+    default: break;
+  }
+  MOE_TRACE_MARK(2);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
   if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < G.rows) {
@@ -104,55 +159,60 @@ __global__ void __launch_bounds__(256, 2) tc_gate_up_kernel(Mat G, Mat U, const 
   }
 }
 
-// Block = 16 output rows; 8 warps split the (expert, super-block) pairs; x[r] += Σ_j w_j D_e(j).row(r)·act_j.
+// Block = 16 output rows; kDownWarps warps split the (expert, super-block) pairs (24 for Qwen3-30B-A3B:
+// two each); x[r] += Σ_j w_j D_e(j).row(r)·act_j. One block per SM (the grid is 2,048 / 16 = 128).
+constexpr int kDownWarps = 12;
 template <uint32_t T>
 __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, const int32_t* ids, const float* weights,
-                                             int n_used, float* x, uint2* xb, float* red, float (*part)[16],
+                                             int n_used, float* x, const XQ& xq, float* red, float (*part)[16],
                                              int32_t* sid, float* sw) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int r0 = blockIdx.x * 16;
   const int n = D.cols * n_used;
-  float* xsum32 = reinterpret_cast<float*>(xb + (n / 32) * 32);
   const int64_t es = D.expert_stride;
   const int64_t og = min(r0 + g, D.rows - 1) * D.row_stride, o8 = min(r0 + g + 8, D.rows - 1) * D.row_stride;
   const int n_sb = D.cols / 256;
-  // the routing (two kernels back) is complete: read it, and load this warp's first super-block, before
-  // waiting for the gate/up kernel
+  pdl_sync();
+  XLoad<4> xl;
+  stage_load<4>(act, n, nullptr, xl);
+  // the routing is two kernels back: the rows of the chosen experts go to L2 now, one per thread
   if (static_cast<int>(threadIdx.x) < n_used) {
     sid[threadIdx.x] = ids[threadIdx.x];
     sw[threadIdx.x] = weights[threadIdx.x];
   }
-  SbRaw pre;
-  const bool have = warp < n_sb * n_used;
-  if (have)
-    tile16_preload<T>([&](int s, int i) { return D.data + __ldg(ids + s) * es + (i ? o8 : og); }, n_sb, warp, pre);
-  pdl_sync();
-  stage_xb<6>(act, n, nullptr, 0.f, xb, xsum32, red);  // ends with a barrier: sid/sw visible
+  for (int i = threadIdx.x; i < 16 * n_used; i += blockDim.x)
+    if (r0 + (i & 15) < D.rows)
+      bulk_prefetch_l2(D.data + ids[i >> 4] * es + (r0 + (i & 15)) * D.row_stride, tc_row_bytes(T, D.cols));
+  stage_finish<4>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
+  MOE_TRACE_MARK(1);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; }, n_used,
-            n_sb, warp, 8, xb, xsum32, acc, pre, have);
+  tile16<T, true>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; },
+                  n_used, n_sb, warp, kDownWarps, xq, acc);
+  MOE_TRACE_MARK(2);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
   if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < D.rows) {
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) v += part[w][threadIdx.x];
+    for (int w = 0; w < kDownWarps; ++w) v += part[w][threadIdx.x];
     x[r0 + threadIdx.x] += v;
   }
 }
 
-__global__ void __launch_bounds__(256, 2) tc_down_kernel(Mat D, const float* __restrict__ act,
+__global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(Mat D, const float* __restrict__ act,
                                                       const int32_t* __restrict__ ids,
                                                       const float* __restrict__ weights, int n_used, float* x) {
-  extern __shared__ uint2 xb[];
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
-  __shared__ float part[8][16];
+  __shared__ float part[kDownWarps][16];
   __shared__ int32_t sid[64];
   __shared__ float sw[64];
+  MOE_TRACE_SCOPE(3);
+  const XQ xq = carve_xq(smem, D.cols * n_used);
   switch (D.type) {
-    case layout::Q4_K: tc_down_body<layout::Q4_K>(D, act, ids, weights, n_used, x, xb, red, part, sid, sw); break;
-    case layout::Q5_K: tc_down_body<layout::Q5_K>(D, act, ids, weights, n_used, x, xb, red, part, sid, sw); break;
-    case layout::Q6_K: tc_down_body<layout::Q6_K>(D, act, ids, weights, n_used, x, xb, red, part, sid, sw); break;
+    case layout::Q4_K: tc_down_body<layout::Q4_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
+    case layout::Q5_K: tc_down_body<layout::Q5_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
+    case layout::Q6_K: tc_down_body<layout::Q6_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
     default: break;
   }
 }
@@ -169,7 +229,8 @@ bool tc_enabled() {
 cudaError_t tc_init() {
   const int big = 200 * 1024;
   cudaError_t e;
-  if ((e = cudaFuncSetAttribute(tc_gemv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   return cudaSuccess;
@@ -178,23 +239,33 @@ cudaError_t tc_init() {
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
-  return launch_pdl(tc_gemv_kernel, dim3(a.tiles_before[a.n_outs]), dim3(kDenseWarps * 32), xb_smem(a.cols), s, a);
+  // at most a few waves of blocks; the LM head's blocks then loop over many tiles (MOE_CUDA_GEMV_WAVES)
+  static const int waves = [] {
+    const char* v = std::getenv("MOE_CUDA_GEMV_WAVES");
+    return v && std::atoi(v) > 0 ? std::atoi(v) : 2;
+  }();
+  const dim3 grid(std::min(a.tiles_before[a.n_outs], waves * 3 * sm_count()));
+  if (a.cols <= 2 * 4 * NW * 32) return launch_pdl(tc_gemv_kernel<2>, grid, dim3(NW * 32), xq_smem(a.cols), s, a);
+  return launch_pdl(tc_gemv_kernel<4>, grid, dim3(NW * 32), xq_smem(a.cols), s, a);
 }
 
-cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
-                       cudaStream_t s) {
+cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
+                       int32_t* ids, float* weights, float* act, cudaStream_t s) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
   const int tiles = (G.rows + 15) / 16;
-  return launch_pdl(tc_gate_up_kernel, dim3(tiles * n_used), dim3(256), xb_smem(G.cols), s, G, U, h, ids, act);
+  return launch_pdl(tc_gate_up_kernel, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h, logits, n_expert,
+                    n_used, ids, weights, act);
 }
 
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
                     cudaStream_t s) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
-  return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(256), xb_smem(D.cols * n_used), s, D, act, ids,
+  return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(kDownWarps * 32), xq_smem(D.cols * n_used), s, D, act, ids,
                     weights, n_used, x);
 }
 
 }  // namespace moe::cuda::k
+
+MOE_TRACE_TU(gemv_tc)

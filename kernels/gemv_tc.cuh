@@ -27,8 +27,8 @@ GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float*
 
 cudaError_t tc_init();
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);
-cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
-                       cudaStream_t s);
+cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
+                       int32_t* ids, float* weights, float* act, cudaStream_t s);
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
                     cudaStream_t s);
 

@@ -49,15 +49,17 @@ struct GemvOut {
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                  cudaStream_t s);
 
-// MoE routing for one token: h = rmsnorm(x) * norm_w (written to h_out), logits = R·h, softmax over
-// all experts, the n_used largest (lowest id on ties), weights renormalised over the chosen set.
-// `scratch` holds R.rows floats and `counter` one int that must be zero (it is left zero).
-cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, int n_used, float* h_out,
-                        float* scratch, int* counter, int32_t* ids, float* weights, cudaStream_t s);
+// MoE routing for one token, first half: h = rmsnorm(x) * norm_w (written to h_out) and the router
+// logits = R·h (R.rows floats). The experts are chosen by expert_gate_up.
+cudaError_t route_token(const float* x, const float* norm_w, float eps, const Mat& R, float* h_out, float* logits,
+                        cudaStream_t s);
 
-// act[j][r] = silu(G_e.row(r)·h) * (U_e.row(r)·h) for e = ids[j], j < n_used (decode).
-cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const int32_t* ids, int n_used, float* act,
-                           cudaStream_t s);
+// Second half and the experts' first matrices (decode): softmax over the n_expert logits, the n_used
+// largest (lowest id on ties), weights renormalised over the chosen set -> ids/weights (rank order);
+// act[j][r] = silu(G_e.row(r)·h) * (U_e.row(r)·h) for e = ids[j], j < n_used (n_expert <= 1024,
+// n_used <= 64).
+cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
+                           int32_t* ids, float* weights, float* act, cudaStream_t s);
 // x[r] += Σ_j weights[j] * D_e.row(r)·act[j] for e = ids[j] (decode).
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
                             float* x, cudaStream_t s);
@@ -87,6 +89,14 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
 // x is not finite (else 0); scratch holds kArgmaxScratch floats.
 constexpr int kArgmaxScratch = 256;
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s);
+
+#ifdef MOE_TRACE
+// Attach the per-block trace buffer (dev::TraceRec[kTraceCap], trace.cuh) and its counter to the traced
+// translation units.
+cudaError_t trace_attach_gemv_tc(void* buf, void* count);
+cudaError_t trace_attach_gemv(void* buf, void* count);
+cudaError_t trace_attach_attention(void* buf, void* count);
+#endif
 
 // An empty kernel of `blocks` x `threads` (measures the launch floor in a graph).
 cudaError_t noop(int blocks, int threads, cudaStream_t s);

@@ -1,77 +1,113 @@
 // Device building blocks of the tensor-core GEMVs (see gemv_tc.cu for the arithmetic): x staged as
-// MMA B fragments, one super-block of two rows per lane, and 16-row tiles split over warps. Kept apart
-// from the kernels (gemv_tc.cu) so that other kernels can build on them.
+// 16-bit integers split in two int8 MMA B columns, one super-block of two rows per lane, and 16-row
+// tiles split over warps. Kept apart from the kernels (gemv_tc.cu) so that other kernels can build on them.
 #pragma once
-#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "common.cuh"
 
 namespace moe::cuda::k::tc {
 using namespace dev;
 
+// ---- x as int8 MMA B fragments ---------------------------------------------------------------------------
+// x (or rmsnorm(x) * w) is quantized per group of 256 elements (one K-quant super-block) to integers
+// X = rint(x / s), s = max|x| / kXMax (24 bits), written in three signed base-256 digits
+// X = 65536 Xa + 256 Xb + Xc (each in [-128, 127]). Columns 0, 1, 2 of the MMA's B hold Xa, Xb, Xc, so
+// one m16n8k32 integer MMA multiplies 16 rows x 32 quant codes by all three digits; the digit sums are
+// weighted 65536 / 256 / 1 in fp32. Relative precision 2^-24 of the group's largest element: fp32-level.
+constexpr float kXMax = 8323072.f;  // 127 * 65536: the top digit stays within [-127, 127]
 
-// ---- x as MMA B fragments ------------------------------------------------------------------------------
-// For group s (32 elements): entries [h 0..1][part 0..3][t 0..3] of two 32-bit registers; part 3 is zero.
-__device__ __forceinline__ int xb_index(int s, int h, int part, int t) { return ((s * 2 + h) * 4 + part) * 4 + t; }
-
-__device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+// Shared-memory staging of x for n elements (n a multiple of 256).
+struct XQ {
+  uint2* q;      // [n/32][digit 0..2][t 0..3]: B registers (k = 4t.., k = 16 + 4t..) of 32-element group
+  int* sum16;    // [n/16]: sums of X over 16 consecutive elements (the K-quant minimums, Q6_K's -32)
+  float* scale;  // [n/256]: s of each group of 256
+  float* cmax;   // [n/128]: staging scratch (max |x| per 128 elements)
+};
+__host__ __device__ inline size_t xq_smem(int n) {
+  return static_cast<size_t>(n) * 3 + static_cast<size_t>(n) / 4 + static_cast<size_t>(n) / 64 +
+         static_cast<size_t>(n) / 32;
+}
+__device__ __forceinline__ XQ carve_xq(void* smem, int n) {
+  XQ x;
+  x.q = static_cast<uint2*>(smem);
+  x.sum16 = reinterpret_cast<int*>(x.q + 3 * n / 8);  // 16-byte aligned: 3n bytes
+  x.scale = reinterpret_cast<float*>(x.sum16 + n / 16);
+  x.cmax = x.scale + n / 256;
+  return x;
 }
 
-__device__ __forceinline__ void split3(float x, float (&p)[3]) {
-  const float a = __bfloat162float(__float2bfloat16_rn(x));
-  const float r = x - a;
-  const float b = __bfloat162float(__float2bfloat16_rn(r));
-  p[0] = a;
-  p[1] = b;
-  p[2] = r - b;  // rounded to bf16 when packed
+__device__ __forceinline__ uint32_t pack_s8(int a, int b, int c, int d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
+// Lowest signed base-256 digit of v (in [-128, 127]); (v - digit) is a multiple of 256.
+__device__ __forceinline__ int low_digit(int v) { return ((v + 128) & 255) - 128; }
 
-// Writes the B fragments and the group sum of the four elements of float4 index i (already normalised).
-// Called by every lane of a warp together (the group sums reduce over 8 consecutive lanes).
-__device__ __forceinline__ void emit_xb(int i, float4 v, uint2* xb, float* xsum32) {
-  const int s = i >> 3, h = (i >> 2) & 1, t = i & 3;  // elements 4i.. = 32s + 16h + 4t..
-  float p0[3], p1[3], p2[3], p3[3];
-  split3(v.x, p0);
-  split3(v.y, p1);
-  split3(v.z, p2);
-  split3(v.w, p3);
+// Quantizes float4 index i (elements 4i..4i+3, already normalised) given its group's 1/s; writes the
+// B registers and the 16-element sums. Called by every lane of a warp together (the sums reduce over
+// 4 consecutive lanes).
+__device__ __forceinline__ void emit_xq(int i, float4 v, float inv, const XQ& xq) {
+  int X[4] = {__float2int_rn(v.x * inv), __float2int_rn(v.y * inv), __float2int_rn(v.z * inv),
+              __float2int_rn(v.w * inv)};
+  int da[4], db[4], dc[4];
 #pragma unroll
-  for (int part = 0; part < 3; ++part)
-    xb[xb_index(s, h, part, t)] = make_uint2(bf16x2(p0[part], p2[part]), bf16x2(p1[part], p3[part]));
-  xb[xb_index(s, h, 3, t)] = make_uint2(0u, 0u);
-  float sum = (v.x + v.y) + (v.z + v.w);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-  if ((i & 7) == 0) xsum32[s] = sum;
+  for (int e = 0; e < 4; ++e) {
+    X[e] = max(-8323072, min(8323072, X[e]));
+    dc[e] = low_digit(X[e]);
+    const int r = (X[e] - dc[e]) >> 8;
+    db[e] = low_digit(r);
+    da[e] = (r - db[e]) >> 8;
+  }
+  const int j = i >> 3, p = i & 7, t = p & 3, half = p >> 2;  // elements 32j + 16 half + 4t..
+  uint32_t* q32 = reinterpret_cast<uint32_t*>(xq.q);
+  q32[((j * 3 + 0) * 4 + t) * 2 + half] = pack_s8(da[0], da[1], da[2], da[3]);
+  q32[((j * 3 + 1) * 4 + t) * 2 + half] = pack_s8(db[0], db[1], db[2], db[3]);
+  q32[((j * 3 + 2) * 4 + t) * 2 + half] = pack_s8(dc[0], dc[1], dc[2], dc[3]);
+  int s = (X[0] + X[1]) + (X[2] + X[3]);
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  if ((i & 3) == 0) xq.sum16[i >> 2] = s;
 }
 
-// Builds the B fragments of h = x (or rmsnorm(x) * norm_w) for n elements (n a multiple of 128) and the
-// sums of h over each group of 32 (xsum32, for the K-quant minimums). The first R float4s per thread of x
-// and of the gains are loaded at once, so the prologue costs one round trip to memory.
+// The staging of h = x (or rmsnorm(x) * norm_w) for n elements (n a multiple of 256) in two steps, so
+// that a kernel can start other work in between: stage_load issues the loads of the first R float4s per
+// thread of x and of the gains; stage_finish reduces, quantizes and writes the shared memory, reading
+// any rest (n > 4 R blockDim) again through L2, and ends with a barrier. Ordinary weight loads must not
+// be in flight meanwhile: on an SM with DRAM misses outstanding the staging measured ~3 us slower
+// (kernels prefetch their weights into L2 with bulk_prefetch_l2 instead).
 template <int R>
-__device__ __forceinline__ void stage_xb(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
-                                         float eps, uint2* xb, float* xsum32, float* red) {
+struct XLoad {
+  float4 x[R], w[R];
+};
+template <int R>
+__device__ __forceinline__ void stage_load(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
+                                           XLoad<R>& l) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const float4* w4 = reinterpret_cast<const float4*>(norm_w);
+  const int n4 = n >> 2;
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < n4) {
+      l.x[k] = __ldcg(x4 + i);  // written by other blocks: read through L2
+      if (norm_w) l.w[k] = w4[i];
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void stage_finish(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
+                                             float eps, XLoad<R>& l, const XQ& xq, float* red) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
   const float4* w4 = reinterpret_cast<const float4*>(norm_w);
   const int n4 = n >> 2, bd = blockDim.x;
-  float4 xv[R], wv[R];
-#pragma unroll
-  for (int k = 0; k < R; ++k) {
-    const int i = threadIdx.x + k * bd;
-    if (i < n4) {
-      xv[k] = __ldcg(x4 + i);  // written by other blocks: read through L2
-      if (norm_w) wv[k] = w4[i];
-    }
-  }
   float scale = 1.f;
   if (norm_w) {
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < R; ++k)
-      if (threadIdx.x + k * bd < n4) ss += (xv[k].x * xv[k].x + xv[k].y * xv[k].y) + (xv[k].z * xv[k].z + xv[k].w * xv[k].w);
+      if (threadIdx.x + k * bd < n4)
+        ss += (l.x[k].x * l.x[k].x + l.x[k].y * l.x[k].y) + (l.x[k].z * l.x[k].z + l.x[k].w * l.x[k].w);
     for (int i = threadIdx.x + R * bd; i < n4; i += bd) {
       const float4 v = __ldcg(x4 + i);
       ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
@@ -79,8 +115,9 @@ __device__ __forceinline__ void stage_xb(const float* __restrict__ x, int n, con
     ss = block_sum(ss, red);
     scale = rsqrtf(ss / static_cast<float>(n) + eps);
   }
-  auto norm = [&](float4 v, float4 w) {
+  auto norm = [&](float4 v, int i) {
     if (norm_w) {
+      const float4 w = w4[i];
       v.x = v.x * scale * w.x;
       v.y = v.y * scale * w.y;
       v.z = v.z * scale * w.z;
@@ -88,42 +125,50 @@ __device__ __forceinline__ void stage_xb(const float* __restrict__ x, int n, con
     }
     return v;
   };
-  // n4 and bd are multiples of 32: each warp is either wholly inside or wholly past n4
+  auto amax4 = [](float4 v) { return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))); };
+  // n4 and bd are multiples of 32: each warp is either wholly inside or wholly past n4, and covers
+  // one 128-element chunk (float4s 32c .. 32c + 31) per step
 #pragma unroll
   for (int k = 0; k < R; ++k) {
     const int i = threadIdx.x + k * bd;
-    if (i < n4) emit_xb(i, norm(xv[k], wv[k]), xb, xsum32);
+    if (i < n4) {
+      if (norm_w) {
+        l.x[k].x *= scale * l.w[k].x;
+        l.x[k].y *= scale * l.w[k].y;
+        l.x[k].z *= scale * l.w[k].z;
+        l.x[k].w *= scale * l.w[k].w;
+      }
+      const float m = warp_max(amax4(l.x[k]));
+      if ((i & 31) == 0) xq.cmax[i >> 5] = m;
+    }
   }
-  for (int i = threadIdx.x + R * bd; i < n4; i += bd) emit_xb(i, norm(__ldcg(x4 + i), norm_w ? w4[i] : make_float4(0.f, 0.f, 0.f, 0.f)), xb, xsum32);
+  for (int i = threadIdx.x + R * bd; i < n4; i += bd) {
+    const float m = warp_max(amax4(norm(__ldcg(x4 + i), i)));
+    if ((i & 31) == 0) xq.cmax[i >> 5] = m;
+  }
+  __syncthreads();
+  auto inv_of = [&](int i) {  // 1/s of float4 i's group of 256 (64 float4s); its first thread stores s
+    const int grp = i >> 6;
+    const float m = fmaxf(xq.cmax[2 * grp], xq.cmax[2 * grp + 1]);
+    if ((i & 63) == 0) xq.scale[grp] = m / kXMax;
+    return m > 0.f ? kXMax / m : 0.f;
+  };
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    const int i = threadIdx.x + k * bd;
+    if (i < n4) emit_xq(i, l.x[k], inv_of(i), xq);
+  }
+  for (int i = threadIdx.x + R * bd; i < n4; i += bd) emit_xq(i, norm(__ldcg(x4 + i), i), inv_of(i), xq);
   __syncthreads();
 }
 
 // ---- the MMA ----------------------------------------------------------------------------------------
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 b, const float (&c)[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %11, %12, %13};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
-// bf16x2 of bytes 0 and 2 (k pair 2t, 2t+1) and bytes 1 and 3 (k pair 2t+8, 2t+9) of v (byte values
-// below 128), each minus `off` (a bf16x2 constant): exact small integers.
-__device__ __forceinline__ uint32_t bsub(uint32_t v, uint32_t off) {
-  __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&v), b = *reinterpret_cast<const __nv_bfloat162*>(&off);
-  __nv_bfloat162 r = __hsub2(a, b);
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-constexpr uint32_t kMagic = 0x43004300u;    // bf16 128.0 in both halves
-constexpr uint32_t kOff128 = 0x43004300u;   // 128
-constexpr uint32_t kOff160 = 0x43204320u;   // 128 + 32 (Q6_K's -32)
-
-// A fragment of rows g (word wg) and g + 8 (word w8), bytes of value < 128.
-__device__ __forceinline__ void a_frag(uint32_t wg, uint32_t w8, uint32_t off, uint32_t (&a)[4]) {
-  a[0] = bsub((wg & 0x00FF00FFu) | kMagic, off);
-  a[1] = bsub((w8 & 0x00FF00FFu) | kMagic, off);
-  a[2] = bsub(((wg >> 8) & 0x00FF00FFu) | kMagic, off);
-  a[3] = bsub(((w8 >> 8) & 0x00FF00FFu) | kMagic, off);
+// d = A (16 x 32 unsigned codes) x B (32 x 8 int8), int32 accumulation from zero.
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y), "r"(0));
 }
 
 __device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
@@ -182,79 +227,77 @@ __device__ __forceinline__ float half_lo(uint32_t w) { return __half2float(__ush
 __device__ __forceinline__ float half_hi(uint32_t w) {
   return __half2float(__ushort_as_half(static_cast<uint16_t>(w >> 16)));
 }
-__device__ __forceinline__ float u8f(uint32_t v) { return static_cast<float>(v & 0xFF); }
-__device__ __forceinline__ float s8f(uint32_t w, int byte) {
-  return static_cast<float>(static_cast<int8_t>((w >> (8 * byte)) & 0xFF));
+__device__ __forceinline__ int u8_at(uint32_t w, int byte) { return static_cast<int>((w >> (8 * byte)) & 0xFFu); }
+__device__ __forceinline__ int s8_at(uint32_t w, int shift) { return static_cast<int8_t>(w >> shift); }
+
+// The eight 6-bit scales (sc[0]: sub-blocks 0-3, sc[1]: 4-7) and minimums of a Q4_K/Q5_K header.
+__device__ __forceinline__ void kq_scales(const uint4& hd, uint32_t (&sc)[2], uint32_t (&mn)[2]) {
+  sc[0] = hd.y & 0x3F3F3F3Fu;
+  mn[0] = hd.z & 0x3F3F3F3Fu;
+  sc[1] = (hd.w & 0x0F0F0F0Fu) | ((hd.y >> 2) & 0x30303030u);
+  mn[1] = ((hd.w >> 4) & 0x0F0F0F0Fu) | ((hd.z >> 2) & 0x30303030u);
 }
 
-// Scale and min of sub-blocks 2c and 2c + 1 (Q4_K/Q5_K) from a header; c is a compile-time constant.
-__device__ __forceinline__ void kq_scales(const uint4& hd, int c, float (&sc)[2], float (&mn)[2]) {
-  const int sh = 16 * (c & 1);
-  const uint32_t a = hd.y >> sh, b = hd.z >> sh, w = hd.w >> sh;
-  uint32_t s, m;
-  if (c < 2) {
-    s = a & 0x3F3F;
-    m = b & 0x3F3F;
-  } else {
-    s = (w & 0x0F0F) | ((a >> 2) & 0x3030);
-    m = ((w >> 4) & 0x0F0F) | ((b >> 2) & 0x3030);
-  }
-  const float d = half_lo(hd.x), dmin = half_hi(hd.x);
-  sc[0] = d * u8f(s);
-  sc[1] = d * u8f(s >> 8);
-  mn[0] = dmin * u8f(m);
-  mn[1] = dmin * u8f(m >> 8);
-}
-
-// acc (D layout: rows g, g, g+8, g+8) += w * (this super-block of rows g, g+8) · x, where the
-// super-block's first 32-element group is s0 in the staged x.
+// acc[0] (row g) and acc[2] (row g + 8) += w * (this super-block of the two rows) · x, where the
+// super-block is the sbg-th group of 256 of the staged x.
+//
+// Per 32 codes the MMA gives, in lane t, columns 2t and 2t + 1 of rows g and g + 8 (digit products;
+// lanes past the used columns hold zeros). Each lane sums its two columns in int32 times the
+// sub-block's integer scale, and weights them by their digit's 65536 / 256 / 1 once per super-block
+// in fp32; the minimum (Q4_K/Q5_K) or -32 offset (Q6_K) terms come from the 16-element sums of X, split
+// over the four t lanes. Bounds: |Σ_j sc_j · (codes · digit)| <= 8 · 63 · 32 · 63 · 128 < 2^31.
 template <uint32_t T>
-__device__ __forceinline__ void mma_sb(const SbRaw& r, int s0, float w, const uint2* xb, const float* xsum32, int g,
-                                       int t, float (&acc)[4]) {
+__device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const XQ& xq, int g, int t,
+                                       float (&acc)[4]) {
   using namespace layout;
-  const int part = g < 3 ? g : 3;
-  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+  const int s0 = sbg * 8;  // first 32-element group
+  const float f = w * xq.scale[sbg];
+  const int4 xs = *reinterpret_cast<const int4*>(xq.sum16 + s0 * 2 + 4 * t);
+  int va[2] = {0, 0}, vb[2] = {0, 0};  // [row]: this lane's columns 2t and 2t + 1
   if constexpr (T == Q4_K || T == Q5_K) {
+    uint32_t sc[2][2], mn[2][2];
+    kq_scales(r.hdr[0], sc[0], mn[0]);
+    kq_scales(r.hdr[1], sc[1], mn[1]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      float scg[2], mng[2], sc8[2], mn8[2];
-      kq_scales(r.hdr[0], c, scg, mng);
-      kq_scales(r.hdr[1], c, sc8, mn8);
 #pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {  // sub-block 2c + hi: low or high nibbles
-        const int s = s0 + 2 * c + hi;
-        float d[4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t vg = (r.q[0][c][h] >> (4 * hi)) & 0x0F0F0F0Fu, v8 = (r.q[1][c][h] >> (4 * hi)) & 0x0F0F0F0Fu;
-          if constexpr (T == Q5_K) {
-            const int bit = 2 * c + hi;
-            vg |= ((r.h[0][0][h] >> bit) & 0x01010101u) << 4;
-            v8 |= ((r.h[1][0][h] >> bit) & 0x01010101u) << 4;
-          }
-          uint32_t a[4];
-          a_frag(vg, v8, kOff128, a);
-          if (h == 0)
-            mma_bf16(d, a, xb[xb_index(s, 0, part, t)], zero);
-          else
-            mma_bf16(d, a, xb[xb_index(s, 1, part, t)], d);
+      for (int hi = 0; hi < 2; ++hi) {  // sub-block j = 2c + hi: low or high nibbles
+        const int j = 2 * c + hi;
+        uint32_t a[4] = {(r.q[0][c][0] >> (4 * hi)) & 0x0F0F0F0Fu, (r.q[1][c][0] >> (4 * hi)) & 0x0F0F0F0Fu,
+                         (r.q[0][c][1] >> (4 * hi)) & 0x0F0F0F0Fu, (r.q[1][c][1] >> (4 * hi)) & 0x0F0F0F0Fu};
+        if constexpr (T == Q5_K) {
+          a[0] |= ((r.h[0][0][0] >> j) & 0x01010101u) << 4;
+          a[1] |= ((r.h[1][0][0] >> j) & 0x01010101u) << 4;
+          a[2] |= ((r.h[0][0][1] >> j) & 0x01010101u) << 4;
+          a[3] |= ((r.h[1][0][1] >> j) & 0x01010101u) << 4;
         }
-        const float sg = w * scg[hi], s8 = w * sc8[hi];
-        acc[0] = fmaf(sg, d[0], acc[0]);
-        acc[1] = fmaf(sg, d[1], acc[1]);
-        acc[2] = fmaf(s8, d[2], acc[2]);
-        acc[3] = fmaf(s8, d[3], acc[3]);
-        if (t == 0) {
-          const float xs = w * xsum32[s];
-          acc[0] = fmaf(-mng[hi], xs, acc[0]);
-          acc[2] = fmaf(-mn8[hi], xs, acc[2]);
-        }
+        const uint2 b = g < 3 ? xq.q[((s0 + j) * 3 + g) * 4 + t] : make_uint2(0u, 0u);
+        int d[4];
+        mma_u8s8(d, a, b);
+        const int sg = u8_at(sc[0][c >> 1], j & 3), s8 = u8_at(sc[1][c >> 1], j & 3);
+        va[0] += sg * d[0];
+        vb[0] += sg * d[1];
+        va[1] += s8 * d[2];
+        vb[1] += s8 * d[3];
       }
     }
-  } else {  // Q6_K
-    const float dg = w * half_lo(r.d[0]), d8 = w * half_lo(r.d[1]);
-    const uint32_t scw_g[4] = {r.hdr[0].x, r.hdr[0].y, r.hdr[0].z, r.hdr[0].w};
-    const uint32_t scw_8[4] = {r.hdr[1].x, r.hdr[1].y, r.hdr[1].z, r.hdr[1].w};
+    // lane 0 holds digits a, b (columns 0, 1), lane 1 digit c (column 2)
+    const float wa = t == 0 ? 65536.f : 1.f, wb = t == 0 ? 256.f : 0.f;
+    // minimums of this lane's sub-blocks 2t and 2t + 1
+    const float x0 = static_cast<float>(xs.x + xs.y), x1 = static_cast<float>(xs.z + xs.w);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t mw = (t < 2 ? mn[i][0] : mn[i][1]) >> (16 * (t & 1));
+      const float m = static_cast<float>(u8_at(mw, 0)) * x0 + static_cast<float>(u8_at(mw, 1)) * x1;
+      const float d = half_lo(r.hdr[i].x), dmin = half_hi(r.hdr[i].x);
+      acc[2 * i] += f * (d * (wa * static_cast<float>(va[i]) + wb * static_cast<float>(vb[i])) - dmin * m);
+    }
+  } else {  // Q6_K: columns 0-2 hold the digits of the first 16 elements of a group, 3-5 of the last 16
+    const uint32_t hw[2][4] = {{r.hdr[0].x, r.hdr[0].y, r.hdr[0].z, r.hdr[0].w},
+                               {r.hdr[1].x, r.hdr[1].y, r.hdr[1].z, r.hdr[1].w}};
+    // column c = 2t (+1) is half c / 3 of the group (its scale byte) and digit c % 3 (its weight)
+    const int ha = min((2 * t) / 3, 1), hb = min((2 * t + 1) / 3, 1);
+    const int sha[2] = {8 * ha, 16 + 8 * ha}, shb[2] = {8 * hb, 16 + 8 * hb};  // by kp & 1
 #pragma unroll
     for (int ch = 0; ch < 4; ++ch) {
       const int n = ch >> 1, kk = ch & 1;
@@ -262,22 +305,35 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int s0, float w, const ui
       for (int hi = 0; hi < 2; ++hi) {  // k' = kk + 2 hi: low or high nibbles
         const int kp = kk + 2 * hi;
         const int s = s0 + 4 * n + kp;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t vg = ((r.q[0][ch][h] >> (4 * hi)) & 0x0F0F0F0Fu) | (((r.h[0][ch][h] >> (2 * kp)) & 0x03030303u) << 4);
-          const uint32_t v8 = ((r.q[1][ch][h] >> (4 * hi)) & 0x0F0F0F0Fu) | (((r.h[1][ch][h] >> (2 * kp)) & 0x03030303u) << 4);
-          uint32_t a[4];
-          a_frag(vg, v8, kOff160, a);
-          float d[4];
-          mma_bf16(d, a, xb[xb_index(s, h, part, t)], zero);
-          const int si = 8 * n + 2 * kp + h;  // int8 scale of these 16 elements
-          const float sg = dg * s8f(scw_g[si >> 2], si & 3), s8 = d8 * s8f(scw_8[si >> 2], si & 3);
-          acc[0] = fmaf(sg, d[0], acc[0]);
-          acc[1] = fmaf(sg, d[1], acc[1]);
-          acc[2] = fmaf(s8, d[2], acc[2]);
-          acc[3] = fmaf(s8, d[3], acc[3]);
-        }
+        auto code = [&](uint32_t q, uint32_t h) {
+          return ((q >> (4 * hi)) & 0x0F0F0F0Fu) | (((h >> (2 * kp)) & 0x03030303u) << 4);
+        };
+        const uint32_t a[4] = {code(r.q[0][ch][0], r.h[0][ch][0]), code(r.q[1][ch][0], r.h[1][ch][0]),
+                               code(r.q[0][ch][1], r.h[0][ch][1]), code(r.q[1][ch][1], r.h[1][ch][1])};
+        const uint2 e = g < 6 ? xq.q[(s * 3 + (g < 3 ? g : g - 3)) * 4 + t] : make_uint2(0u, 0u);
+        const uint2 b = make_uint2(g < 3 ? e.x : 0u, g < 3 ? 0u : e.y);
+        int d[4];
+        mma_u8s8(d, a, b);
+        // scale of 16 elements 8n + 2kp + half: word 2n + hi, byte 2kk + half
+        const uint32_t wg = hw[0][2 * n + hi], w8 = hw[1][2 * n + hi];
+        va[0] += s8_at(wg, sha[kk]) * d[0];
+        vb[0] += s8_at(wg, shb[kk]) * d[1];
+        va[1] += s8_at(w8, sha[kk]) * d[2];
+        vb[1] += s8_at(w8, shb[kk]) * d[3];
       }
+    }
+    // digit weights of columns 2t and 2t + 1: (a, b), (c, a), (b, c)
+    const float wa = t == 0 ? 65536.f : t == 1 ? 1.f : 256.f, wb = t == 0 ? 256.f : t == 1 ? 65536.f : 1.f;
+    // -32 offsets of this lane's 16-element sub-blocks 4t .. 4t + 3
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t sw = t == 0 ? hw[i][0] : t == 1 ? hw[i][1] : t == 2 ? hw[i][2] : hw[i][3];
+      const float o = static_cast<float>(s8_at(sw, 0)) * static_cast<float>(xs.x) +
+                      static_cast<float>(s8_at(sw, 8)) * static_cast<float>(xs.y) +
+                      static_cast<float>(s8_at(sw, 16)) * static_cast<float>(xs.z) +
+                      static_cast<float>(s8_at(sw, 24)) * static_cast<float>(xs.w);
+      const float d = half_lo(r.d[i]);
+      acc[2 * i] += f * d * (wa * static_cast<float>(va[i]) + wb * static_cast<float>(vb[i]) - 32.f * o);
     }
   }
 }
@@ -287,14 +343,19 @@ constexpr int sb_bytes() {
   return T == layout::Q4_K ? 144 : T == layout::Q5_K ? 176 : 224;
 }
 
+// Bytes of a row of `cols` elements of a tensor-core type (a multiple of 16).
+__device__ __forceinline__ uint32_t tc_row_bytes(uint32_t type, int cols) {
+  return static_cast<uint32_t>(cols / 256) * (type == layout::Q4_K ? 144u : type == layout::Q5_K ? 176u : 224u);
+}
+
 // Runs this warp's share of a 16-row tile: super-blocks f = first, first + step, ... of the flat index
-// over n_seg segments of sb_per_seg super-blocks. row(seg, i) gives the segment's row pointer of this
-// lane's row i (0: g, 1: g + 8), wgt(seg) its weight. The next super-block's loads are issued before the
-// current one is multiplied; `pre`, when has_pre, holds the first one (f = first, loaded by tile16_preload).
-template <uint32_t T, class RowFn, class WFn>
+// over n_seg segments of sb_per_seg super-blocks (the flat index is also the group of 256 of the staged
+// x). row(seg, i) gives the segment's row pointer of this lane's row i (0: g, 1: g + 8), wgt(seg) its
+// weight. With kPipe the next super-block's loads are issued before the current one is multiplied
+// (twice the registers: for warps with several super-blocks); without, other warps hide the latency.
+template <uint32_t T, bool kPipe, class RowFn, class WFn>
 __device__ __forceinline__ void tile16(RowFn row, WFn wgt, int n_seg, int sb_per_seg, int first, int step,
-                                       const uint2* xb, const float* xsum32, float (&acc)[4],
-                                       const SbRaw& pre = SbRaw{}, bool has_pre = false) {
+                                       const XQ& xq, float (&acc)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int total = n_seg * sb_per_seg;
   constexpr int BB = sb_bytes<T>();
@@ -302,37 +363,22 @@ __device__ __forceinline__ void tile16(RowFn row, WFn wgt, int n_seg, int sb_per
     const int seg = f / sb_per_seg, sb = f - seg * sb_per_seg;
     load_sb<T>(row(seg, 0) + sb * BB, row(seg, 1) + sb * BB, t, r);
   };
-  SbRaw cur, nxt;
   int f = first;
-  if (has_pre)
-    cur = pre;  // loaded by the caller before it waited on the previous kernel
-  else if (f < total)
-    load(f, cur);
-  for (; f < total; f += step) {  // the next super-block's loads are issued before this one is multiplied
-    const int fn = f + step;
-    if (fn < total) load(fn, nxt);
-    const int seg = f / sb_per_seg, sb = f - seg * sb_per_seg;
-    mma_sb<T>(cur, (seg * sb_per_seg + sb) * 8, wgt(seg), xb, xsum32, g, t, acc);
-    cur = nxt;
-  }
-}
-
-// Loads the first super-block tile16<T> will multiply (f = first), for callers that issue it early.
-template <uint32_t T, class RowFn>
-__device__ __forceinline__ void tile16_preload(RowFn row, int sb_per_seg, int first, SbRaw& r) {
-  const int seg = first / sb_per_seg, sb = first - seg * sb_per_seg;
-  load_sb<T>(row(seg, 0) + sb * sb_bytes<T>(), row(seg, 1) + sb * sb_bytes<T>(), threadIdx.x & 3, r);
-}
-
-template <class RowFn, class WFn>
-__device__ __forceinline__ void tile16_any(uint32_t type, RowFn row, WFn wgt, int n_seg, int sb_per_seg, int first,
-                                           int step, const uint2* xb, const float* xsum32, float (&acc)[4]) {
-  using namespace layout;
-  switch (type) {
-    case Q4_K: tile16<Q4_K>(row, wgt, n_seg, sb_per_seg, first, step, xb, xsum32, acc); break;
-    case Q5_K: tile16<Q5_K>(row, wgt, n_seg, sb_per_seg, first, step, xb, xsum32, acc); break;
-    case Q6_K: tile16<Q6_K>(row, wgt, n_seg, sb_per_seg, first, step, xb, xsum32, acc); break;
-    default: break;
+  if constexpr (kPipe) {
+    SbRaw cur, nxt;
+    if (f < total) load(f, cur);
+    for (; f < total; f += step) {
+      const int fn = f + step;
+      if (fn < total) load(fn, nxt);
+      mma_sb<T>(cur, f, wgt(f / sb_per_seg), xq, g, t, acc);
+      cur = nxt;
+    }
+  } else {
+    for (; f < total; f += step) {
+      SbRaw cur;
+      load(f, cur);
+      mma_sb<T>(cur, f, wgt(f / sb_per_seg), xq, g, t, acc);
+    }
   }
 }
 
@@ -349,7 +395,5 @@ __device__ __forceinline__ void warp_rows_to_smem(float (&acc)[4], float* red16)
     red16[g + 8] = r8;
   }
 }
-
-inline size_t xb_smem(int n) { return static_cast<size_t>(n / 32) * 256 + static_cast<size_t>(n / 32) * sizeof(float); }
 
 }  // namespace moe::cuda::k::tc

@@ -251,8 +251,8 @@ class CudaForward final : public Forward {
         B * V * f,                                            // logits
         c_.n_head_kv * static_cast<size_t>(decode_splits()) * G * (c_.head_dim + 2) * f,  // partials
         B * c_.n_head_kv * 4,                                 // counters
-        X * f,                                                // route scratch
-        64,                                                   // route counter, token, pos, prefill pos, argmax
+        X * f,                                                // router logits (decode)
+        64,                                                   // -, token, pos, prefill pos, argmax
         B * 4,                                                // prefill ids
         k::kArgmaxScratch * f,                                // argmax partials
     };
@@ -385,9 +385,8 @@ class CudaForward final : public Forward {
     logits_.ptr = p[13];
     partials_ = reinterpret_cast<float*>(p[14]);
     counters_ = reinterpret_cast<int*>(p[15]);
-    route_scratch_ = reinterpret_cast<float*>(p[16]);
+    route_logits_ = reinterpret_cast<float*>(p[16]);
     int32_t* small = reinterpret_cast<int32_t*>(p[17]);
-    route_counter_ = small;
     token_ = small + 1;
     pos_ = small + 2;
     prefill_pos_ = small + 3;
@@ -442,9 +441,10 @@ class CudaForward final : public Forward {
             step);
       k::GemvOut out{L.o, x_};
       check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
-      check(k::route_token(x_, L.ffn_norm, eps, L.router, K, h_, route_scratch_, route_counter_, ids_, wts_, stream_),
+      check(k::route_token(x_, L.ffn_norm, eps, L.router, h_, route_logits_, stream_), step);
+      check(k::expert_gate_up(L.gate, L.up, h_, route_logits_, static_cast<int>(c_.n_expert), K, ids_, wts_, act_,
+                              stream_),
             step);
-      check(k::expert_gate_up(L.gate, L.up, h_, ids_, K, act_, stream_), step);
       check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_), step);
     }
     k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
@@ -569,8 +569,8 @@ class CudaForward final : public Forward {
 
   float *x_ = nullptr, *h_ = nullptr, *qkv_ = nullptr, *o_ = nullptr, *router_logits_ = nullptr, *wts_ = nullptr;
   int32_t *ids_ = nullptr, *token_of_slot_ = nullptr, *slot_of_ = nullptr, *prefill_ids_ = nullptr;
-  int *count_ = nullptr, *offset_ = nullptr, *counters_ = nullptr, *route_counter_ = nullptr;
-  float *act_ = nullptr, *expert_out_ = nullptr, *argmax_scratch_ = nullptr, *partials_ = nullptr, *route_scratch_ = nullptr;
+  int *count_ = nullptr, *offset_ = nullptr, *counters_ = nullptr;
+  float *act_ = nullptr, *expert_out_ = nullptr, *argmax_scratch_ = nullptr, *partials_ = nullptr, *route_logits_ = nullptr;
   int32_t *token_ = nullptr, *pos_ = nullptr, *prefill_pos_ = nullptr;
   struct {
     void* ptr = nullptr;

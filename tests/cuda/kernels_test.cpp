@@ -177,24 +177,39 @@ TEST(CudaKernels, RouteTokenPicksTheTopExpertsOfTheNormalisedInput) {
   const int E = 512, X = 40, K = 6;
   QMatrix R(Type::F32, X, E, rng, 0.2f);
   std::vector<float> x = randn(E, rng, 2.f), w = randn(E, rng);
-  Dev<float> dx(x), dw(w), dh(E), scratch(X), dwt(K);
-  Dev<int32_t> dids(K), counter(std::vector<int32_t>{0});
-  ok(k::route_token(dx.p, dw.p, 1e-6f, R.mat(), K, dh.p, scratch.p, counter.p, dids.p, dwt.p, nullptr));
-  ok(cudaDeviceSynchronize());
-  std::vector<float> h = rmsnorm(x.data(), w.data(), E, 1e-6f);
-  std::vector<float> lg(X);
-  for (int i = 0; i < X; ++i) lg[i] = static_cast<float>(dot(&R.deq[i * E], h.data(), E));
+  Dev<float> dx(x), dw(w), dh(E), dlg(X), dwt(K);
+  Dev<int32_t> dids(K);
+  ok(k::route_token(dx.p, dw.p, 1e-6f, R.mat(), dh.p, dlg.p, nullptr));
+  // the choice is made by the expert kernel (every block); tiny experts of 16 rows
+  QMatrix G(Type::Q4_K, X * 16, E, rng), U(Type::Q4_K, X * 16, E, rng);
+  for (const char* tc : {"1", "0"}) {
+    SCOPED_TRACE(::testing::Message() << "MOE_CUDA_TC=" << tc);
+    setenv("MOE_CUDA_TC", tc, 1);
+    Dev<float> act(K * 16);
+    ok(k::expert_gate_up(G.mat(16), U.mat(16), dh.p, dlg.p, X, K, dids.p, dwt.p, act.p, nullptr));
+    ok(cudaDeviceSynchronize());
+    std::vector<float> h = rmsnorm(x.data(), w.data(), E, 1e-6f);
+    std::vector<float> lg(X), glg = dlg.get();
+    for (int i = 0; i < X; ++i) {
+      lg[i] = static_cast<float>(dot(&R.deq[i * E], h.data(), E));
+      EXPECT_NEAR(glg[i], lg[i], 1e-5 * (abs_dot(&R.deq[i * E], h.data(), E) + 1e-3)) << "logit " << i;
+    }
+    std::vector<int> ids;
+    std::vector<float> wt;
+    route_cpu(glg, K, ids, wt);  // the choice over the GPU's logits (near-ties could flip on the CPU's)
+    std::vector<int32_t> gids = dids.get();
+    std::vector<float> gw = dwt.get(), gh = dh.get();
+    for (int i = 0; i < E; ++i) EXPECT_NEAR(gh[i], h[i], 1e-5 * (std::fabs(h[i]) + 1e-3));
+    for (int j = 0; j < K; ++j) {
+      EXPECT_EQ(gids[j], ids[j]) << "rank " << j;
+      EXPECT_NEAR(gw[j], wt[j], 1e-5) << "rank " << j;
+    }
+  }
+  unsetenv("MOE_CUDA_TC");
+  std::vector<float> lg = dlg.get();
   std::vector<int> ids;
   std::vector<float> wt;
   route_cpu(lg, K, ids, wt);
-  std::vector<int32_t> gids = dids.get();
-  std::vector<float> gw = dwt.get(), gh = dh.get();
-  EXPECT_EQ(counter.get()[0], 0) << "the counter must be left at zero for the next launch";
-  for (int i = 0; i < E; ++i) EXPECT_NEAR(gh[i], h[i], 1e-5 * (std::fabs(h[i]) + 1e-3));
-  for (int j = 0; j < K; ++j) {
-    EXPECT_EQ(gids[j], ids[j]) << "rank " << j;
-    EXPECT_NEAR(gw[j], wt[j], 1e-5) << "rank " << j;
-  }
   // topk_rows over the same logits gives the same choice
   Dev<float> dl(lg), tw(K);
   Dev<int32_t> tid(K);
@@ -219,13 +234,23 @@ TEST(CudaKernels, ExpertGateUpAndDownDecodeMatchTwin) {
     const int Fc = static_cast<int>(cols_for(t, F));
     QMatrix G(t, X * Fc, E, rng), U(t, X * Fc, E, rng), D(t, X * E, Fc, rng);
     std::vector<float> h = randn(E, rng), x = randn(E, rng);
-    std::vector<int32_t> ids = {7, 2, 8};
-    std::vector<float> wt = {0.5f, 0.3f, 0.2f};
-    Dev<float> dh(h), act(K * Fc), dx(x), dw(wt);
-    Dev<int32_t> di(ids);
-    ok(k::expert_gate_up(G.mat(Fc), U.mat(Fc), dh.p, di.p, K, act.p, nullptr));
+    // router logits that rank experts 7, 2, 8 first (the choice itself: RouteToken... above)
+    std::vector<float> logits(X, -1.f);
+    logits[7] = 2.f;
+    logits[2] = 1.5f;
+    logits[8] = 1.f;
+    std::vector<int32_t> ids;
+    std::vector<float> wt;
+    route_cpu(logits, K, ids, wt);
+    ASSERT_EQ(ids, (std::vector<int32_t>{7, 2, 8}));
+    Dev<float> dh(h), act(K * Fc), dx(x), dw(K), dlg(logits);
+    Dev<int32_t> di(K);
+    ok(k::expert_gate_up(G.mat(Fc), U.mat(Fc), dh.p, dlg.p, X, K, di.p, dw.p, act.p, nullptr));
     ok(k::expert_down_add(D.mat(E), act.p, di.p, dw.p, K, dx.p, nullptr));
     ok(cudaDeviceSynchronize());
+    EXPECT_EQ(di.get(), ids);
+    std::vector<float> gwt = dw.get();
+    for (int j = 0; j < K; ++j) EXPECT_NEAR(gwt[j], wt[j], 1e-6) << "rank " << j;
     std::vector<float> a = act.get(), y = dx.get();
     std::vector<float> aref(K * Fc);
     for (int j = 0; j < K; ++j)

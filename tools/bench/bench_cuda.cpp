@@ -11,6 +11,8 @@
 #if defined(MOE_HAVE_CUDA)
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <random>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "launch.cuh"
+#include "trace.cuh"
 #include "moe/cuda.hpp"
 #include "moe/model.hpp"
 #include "moe/quant.hpp"
@@ -213,13 +216,17 @@ void BM_ExpertGateUpQ4K(benchmark::State& st) {
   G.m.expert_stride = U.m.expert_stride = G.m.row_stride * 768;
   float* h = dev_floats(2048);
   float* act = dev_floats(8 * 768);
+  // router logits that pick experts 3, 17, 40, 77, 90, 101, 115, 127
+  std::vector<float> hl(128, 0.f);
+  for (int e : {3, 17, 40, 77, 90, 101, 115, 127}) hl[e] = 1.f + 0.01f * e;
+  float* logits = dev_floats(128);
+  ck(cudaMemcpy(logits, hl.data(), 128 * sizeof(float), cudaMemcpyHostToDevice));
+  float* wt = dev_floats(8);
   int32_t* ids = nullptr;
-  std::vector<int32_t> hid = {3, 17, 40, 77, 90, 101, 115, 127};
   ck(cudaMalloc(reinterpret_cast<void**>(&ids), 32));
-  ck(cudaMemcpy(ids, hid.data(), 32, cudaMemcpyHostToDevice));
-  time_kernel(st, 2.0 * 8 * 768 * G.m.row_stride, [&](cudaStream_t s) { return k::expert_gate_up(G.m, U.m, h, ids, 8, act, s); });
-  cudaFree(h);
-  cudaFree(act);
+  time_kernel(st, 2.0 * 8 * 768 * G.m.row_stride,
+              [&](cudaStream_t s) { return k::expert_gate_up(G.m, U.m, h, logits, 128, 8, ids, wt, act, s); });
+  for (float* p : {h, act, logits, wt}) cudaFree(p);
   cudaFree(ids);
 }
 BENCHMARK(BM_ExpertGateUpQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -260,18 +267,9 @@ void BM_RouteF32(benchmark::State& st) {
   float* x = dev_floats(2048);
   float* w = dev_floats(2048);
   float* h = dev_floats(2048);
-  float* scratch = dev_floats(128);
-  float* wt = dev_floats(8);
-  int32_t* ids = nullptr;
-  int* counter = nullptr;
-  ck(cudaMalloc(reinterpret_cast<void**>(&ids), 64));
-  ck(cudaMalloc(reinterpret_cast<void**>(&counter), 4));
-  ck(cudaMemset(counter, 0, 4));
-  time_kernel(st, 128.0 * 2048 * 4,
-              [&](cudaStream_t s) { return k::route_token(x, w, 1e-6f, R.m, 8, h, scratch, counter, ids, wt, s); });
-  for (float* p : {x, w, h, scratch, wt}) cudaFree(p);
-  cudaFree(ids);
-  cudaFree(counter);
+  float* logits = dev_floats(128);
+  time_kernel(st, 128.0 * 2048 * 4, [&](cudaStream_t s) { return k::route_token(x, w, 1e-6f, R.m, h, logits, s); });
+  for (float* p : {x, w, h, logits}) cudaFree(p);
 }
 BENCHMARK(BM_RouteF32)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
@@ -381,6 +379,56 @@ void BM_Decode(benchmark::State& st) {
       benchmark::Counter(l->bytes_per_token * st.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_Decode)->Arg(0)->Arg(4096)->Iterations(256)->Unit(benchmark::kMicrosecond);
+
+#ifdef MOE_TRACE
+// Per-block timestamps of two decode tokens (trace.cuh), written as CSV to $MOE_TRACE_OUT.
+void BM_DecodeTrace(benchmark::State& st) {
+  Loaded* l = loaded();
+  const char* out = std::getenv("MOE_TRACE_OUT");
+  if (!l || !out) {
+    st.SkipWithError("MOE_BENCH_MODEL and MOE_TRACE_OUT must be set");
+    return;
+  }
+  namespace k = moe::cuda::k;
+  using moe::cuda::dev::TraceRec;
+  void* buf = nullptr;
+  unsigned* count = nullptr;
+  cudaMalloc(&buf, sizeof(TraceRec) * moe::cuda::dev::kTraceCap);
+  cudaMalloc(reinterpret_cast<void**>(&count), sizeof(unsigned));
+  k::trace_attach_gemv_tc(buf, count);
+  k::trace_attach_gemv(buf, count);
+  k::trace_attach_attention(buf, count);
+  l->fwd->reset();
+  int32_t tok = 1000;
+  for (auto _ : st) {
+    for (int i = 0; i < 8; ++i) tok = l->fwd->eval_greedy(tok);
+    cudaMemset(count, 0, sizeof(unsigned));
+    cudaDeviceSynchronize();
+    for (int i = 0; i < 2; ++i) tok = l->fwd->eval_greedy(tok);
+    cudaDeviceSynchronize();
+  }
+  unsigned n = 0;
+  cudaMemcpy(&n, count, sizeof(n), cudaMemcpyDeviceToHost);
+  n = std::min(n, moe::cuda::dev::kTraceCap);
+  std::vector<TraceRec> recs(n);
+  cudaMemcpy(recs.data(), buf, sizeof(TraceRec) * n, cudaMemcpyDeviceToHost);
+  k::trace_attach_gemv_tc(nullptr, nullptr);
+  k::trace_attach_gemv(nullptr, nullptr);
+  k::trace_attach_attention(nullptr, nullptr);
+  cudaFree(buf);
+  cudaFree(count);
+  if (FILE* f = std::fopen(out, "w")) {
+    std::fprintf(f, "kind,block,sm,t0,t1,t2,t3\n");
+    for (const TraceRec& r : recs)
+      std::fprintf(f, "%u,%u,%u,%llu,%llu,%llu,%llu\n", r.kind, r.block, r.sm, static_cast<unsigned long long>(r.t[0]),
+                   static_cast<unsigned long long>(r.t[1]), static_cast<unsigned long long>(r.t[2]),
+                   static_cast<unsigned long long>(r.t[3]));
+    std::fclose(f);
+  }
+  st.counters["records"] = n;
+}
+BENCHMARK(BM_DecodeTrace)->Iterations(1)->Unit(benchmark::kMillisecond);
+#endif
 
 void BM_Prefill(benchmark::State& st) {
   Loaded* l = loaded();
