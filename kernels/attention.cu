@@ -342,6 +342,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
   MOE_TRACE_SCOPE(4);
   pdl_sync();
   const int pos = pos0[0];
+  MOE_TRACE_MARK(1);
   const int len = pos + 1;
   int chunk = (len + n_split - 1) / n_split;
   if (n_split > 1 && chunk < kMinChunk) chunk = kMinChunk;
@@ -371,7 +372,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
     }
   }
   __syncthreads();
-  MOE_TRACE_MARK(1);
+  MOE_TRACE_MARK(2);
   const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
   float m[G], l[G], acc[G][D], q[G][D];
 #pragma unroll
@@ -385,6 +386,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
     }
   }
   attend_range<D, G, kWarps>(q, kc, vc, kv_dim, g * HD + lane * D, c0 + warp, c1, pos, kn, vn, m, l, acc);
+  MOE_TRACE_MARK(3);
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     if (lane == 0) {
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
     for (int d = 0; d < D; ++d) wacc[(warp * G + h) * HD + lane * D + d] = acc[h][d];
   }
   __syncthreads();
-  MOE_TRACE_MARK(2);
+  MOE_TRACE_MARK(4);
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;
   float* out = out_all + g * G * HD;
@@ -420,6 +422,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
       }
     }
   }
+  MOE_TRACE_MARK(5);
   if (n_eff == 1) {
     __syncthreads();
     return;

@@ -44,7 +44,7 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   tile16<T, false>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, NW, xq,
                    acc);
-  MOE_TRACE_MARK(2);
+  MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
   if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < W.rows) {
@@ -85,9 +85,11 @@ __global__ void __launch_bounds__(NW * 32, 3) tc_gemv_kernel(GemvArgs a) {
   pdl_sync();
   XLoad<R> xl;
   stage_load<R>(a.x, a.cols, a.norm_w, xl);
-  prefetch(blockIdx.x + gridDim.x);
-  stage_finish<R>(a.x, a.cols, a.norm_w, a.eps, xl, xq, red);
   MOE_TRACE_MARK(1);
+  prefetch(blockIdx.x + gridDim.x);
+  MOE_TRACE_MARK(2);
+  stage_finish<R>(a.x, a.cols, a.norm_w, a.eps, xl, xq, red);
+  MOE_TRACE_MARK(3);
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     prefetch(tile + 2 * gridDim.x);
     int m;
@@ -122,7 +124,9 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(Mat G, Mat U, const 
   pdl_sync();  // the router logits and h come from the previous kernel
   XLoad<2> xl;
   stage_load<2>(h, G.cols, nullptr, xl);
+  MOE_TRACE_MARK(1);
   choose_experts(logits, n_expert, n_used, s_logit, prob, s_id, s_w);
+  MOE_TRACE_MARK(2);
   if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {  // for the down kernel
     ids_out[threadIdx.x] = s_id[threadIdx.x];
     w_out[threadIdx.x] = s_w[threadIdx.x];
@@ -132,8 +136,9 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(Mat G, Mat U, const 
     const Mat& P = lane < 16 ? G : U;
     bulk_prefetch_l2(P.data + e * P.expert_stride + (r0 + (lane & 15)) * P.row_stride, tc_row_bytes(P.type, P.cols));
   }
+  MOE_TRACE_MARK(3);
   stage_finish<2>(h, G.cols, nullptr, 0.f, xl, xq, red);
-  MOE_TRACE_MARK(1);
+  MOE_TRACE_MARK(4);
   const bool up = warp >= 4;
   const Mat& M = up ? U : G;
   const uint8_t* base = M.data + e * M.expert_stride;
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(Mat G, Mat U, const 
     case layout::Q6_K: tile16<layout::Q6_K, false>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
     default: break;
   }
-  MOE_TRACE_MARK(2);
+  MOE_TRACE_MARK(5);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
   if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < G.rows) {
@@ -175,6 +180,7 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   pdl_sync();
   XLoad<4> xl;
   stage_load<4>(act, n, nullptr, xl);
+  MOE_TRACE_MARK(1);
   // the routing is two kernels back: the rows of the chosen experts go to L2 now, one per thread
   if (static_cast<int>(threadIdx.x) < n_used) {
     sid[threadIdx.x] = ids[threadIdx.x];
@@ -183,12 +189,13 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   for (int i = threadIdx.x; i < 16 * n_used; i += blockDim.x)
     if (r0 + (i & 15) < D.rows)
       bulk_prefetch_l2(D.data + ids[i >> 4] * es + (r0 + (i & 15)) * D.row_stride, tc_row_bytes(T, D.cols));
+  MOE_TRACE_MARK(2);
   stage_finish<4>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
-  MOE_TRACE_MARK(1);
+  MOE_TRACE_MARK(3);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   tile16<T, true>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; },
                   n_used, n_sb, warp, kDownWarps, xq, acc);
-  MOE_TRACE_MARK(2);
+  MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
   if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < D.rows) {

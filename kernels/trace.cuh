@@ -1,6 +1,6 @@
 // Opt-in per-block timestamps of the decode kernels (build with -DMOE_TRACE; compiled out otherwise).
-// Each traced kernel opens a MOE_TRACE_SCOPE(kind) and marks up to two inner points; when the block
-// exits, thread 0 appends {kind, block, SM, %globaltimer at entry / mark 1 / mark 2 / exit} to a
+// Each traced kernel opens a MOE_TRACE_SCOPE(kind) and marks up to six inner points; when the block
+// exits, thread 0 appends {kind, block, SM, %globaltimer at entry / marks 1-6 / exit} to a
 // device buffer attached by the host (k::trace_attach_all in bench_cuda's BM_DecodeTrace). Used to see
 // where a kernel's time goes inside a captured decode graph, which profilers serialise.
 #pragma once
@@ -9,7 +9,7 @@
 namespace moe::cuda::dev {
 struct TraceRec {
   uint32_t kind, block, sm, pad;
-  uint64_t t[4];
+  uint64_t t[8];  // entry, marks 1-6 (0 when not reached), exit
 };
 constexpr uint32_t kTraceCap = 1u << 20;
 }  // namespace moe::cuda::dev
@@ -25,13 +25,16 @@ __device__ __forceinline__ uint64_t gtimer() {
   return t;
 }
 __device__ __forceinline__ uint64_t* trace_slots() {
-  __shared__ uint64_t s[4];
+  __shared__ uint64_t s[7];
   return s;
 }
 struct TraceScope {
   uint32_t kind;
   __device__ explicit TraceScope(uint32_t k) : kind(k) {
-    if (threadIdx.x == 0) trace_slots()[0] = gtimer(), trace_slots()[1] = 0, trace_slots()[2] = 0;
+    if (threadIdx.x == 0) {
+      trace_slots()[0] = gtimer();
+      for (int i = 1; i < 7; ++i) trace_slots()[i] = 0;
+    }
   }
   __device__ ~TraceScope() {
     if (threadIdx.x != 0 || !g_trace_buf) return;
@@ -44,10 +47,8 @@ struct TraceScope {
     r.kind = kind;
     r.block = blockIdx.x + blockIdx.y * gridDim.x;
     r.sm = sm;
-    r.t[0] = trace_slots()[0];
-    r.t[1] = trace_slots()[1];
-    r.t[2] = trace_slots()[2];
-    r.t[3] = end;
+    for (int k = 0; k < 7; ++k) r.t[k] = trace_slots()[k];
+    r.t[7] = end;
   }
 };
 }  // namespace moe::cuda::dev

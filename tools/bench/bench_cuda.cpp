@@ -418,11 +418,12 @@ void BM_DecodeTrace(benchmark::State& st) {
   cudaFree(buf);
   cudaFree(count);
   if (FILE* f = std::fopen(out, "w")) {
-    std::fprintf(f, "kind,block,sm,t0,t1,t2,t3\n");
-    for (const TraceRec& r : recs)
-      std::fprintf(f, "%u,%u,%u,%llu,%llu,%llu,%llu\n", r.kind, r.block, r.sm, static_cast<unsigned long long>(r.t[0]),
-                   static_cast<unsigned long long>(r.t[1]), static_cast<unsigned long long>(r.t[2]),
-                   static_cast<unsigned long long>(r.t[3]));
+    std::fprintf(f, "kind,block,sm,t0,t1,t2,t3,t4,t5,t6,t7\n");
+    for (const TraceRec& r : recs) {
+      std::fprintf(f, "%u,%u,%u", r.kind, r.block, r.sm);
+      for (uint64_t t : r.t) std::fprintf(f, ",%llu", static_cast<unsigned long long>(t));
+      std::fprintf(f, "\n");
+    }
     std::fclose(f);
   }
   st.counters["records"] = n;
