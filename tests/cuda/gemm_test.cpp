@@ -1,0 +1,694 @@
+// The integer prefill GEMM (kernels/gemm.cu, igemm_kernel) for Q4_K, Q5_K and Q6_K.
+//
+// GemmEmulation: a CPU model of one warp, run without a GPU. The per-lane helpers of kernels/mma.cuh
+// (activation scales and digits, code extraction, the magic-constant conversions, the shared-memory
+// layout) are the kernel's own; ldmatrix and the three MMA shapes are modelled here from the PTX
+// fragment tables, and a stage is walked as stage_kq / stage_q6k walk it. One m16 x n8 tile (rows
+// 16..31 of a stage, tokens 8..15 of a 16-token item) over two or eight super-blocks is compared
+// with the dequantized product, so fragment or layout mistakes show up as O(1) errors before a
+// device run, and the accuracy (worst and rms error as fractions of the kernel tests' bound) is
+// printed per type and activation distribution (Gaussian, silu(g) * u, 100x outliers).
+//
+// CudaGemm: the shapes the kernel tests (kernels_test.cpp) do not reach: the wide dense tile with
+// several items per block, accumulation and a row tail; grouped experts with 0, 1 and more than a
+// tile of tokens, every integer type as gate/up and as down; Gaussian and heavy-tailed activations,
+// with the worst error printed and asked to stay below a quarter of the bound.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu.hpp"
+#include "mma.cuh"
+#include "moe/cuda.hpp"
+#include "moe/gguf.hpp"
+#include "moe/quant.hpp"
+
+namespace {
+
+using moe::gguf::Type;
+using namespace moe::cuda::dev;
+using namespace moe::cuda::dev::i8;
+
+uint32_t ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+float half_of(uint32_t w, int hi) { return moe::quant::fp16_to_f32(static_cast<uint16_t>(w >> (16 * hi))); }
+
+// ---- PTX models --------------------------------------------------------------------------------
+using Regs4 = uint32_t[32][4];
+
+// ldmatrix.sync.aligned.m8n8.x4.b16: lane 8m + r gives the address of row r of matrix m; lane
+// (g, t) receives, for each matrix m, the two b16 elements 2t, 2t+1 (bytes 4t..4t+3) of row g.
+void ldsm_x4(const uint8_t* base, const int (&row_off)[32], Regs4& out) {
+  for (int lane = 0; lane < 32; ++lane)
+    for (int m = 0; m < 4; ++m) out[lane][m] = ld32(base + row_off[8 * m + lane / 4] + 4 * (lane % 4));
+}
+
+// m16n8k32 .u8 x .s8 -> .s32 (row.col): A: a0 row g k 4t..4t+3, a1 row g+8, a2 row g k 16+4t.., a3
+// row g+8 k 16+4t..; B: b0 k 4t.. of column g, b1 k 16+4t..; D: d0 (g, 2t), d1 (g, 2t+1), d2 (g+8,
+// 2t), d3 (g+8, 2t+1). C is one value for every element; int32 arithmetic wraps.
+void mma_k32(const Regs4& A, const uint32_t (&B)[32][2], uint32_t c, Regs4& D) {
+  int a[16][32], b[32][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      a[g][4 * t + i] = static_cast<int>(byte_u(A[lane][0], i));
+      a[g + 8][4 * t + i] = static_cast<int>(byte_u(A[lane][1], i));
+      a[g][16 + 4 * t + i] = static_cast<int>(byte_u(A[lane][2], i));
+      a[g + 8][16 + 4 * t + i] = static_cast<int>(byte_u(A[lane][3], i));
+      b[4 * t + i][g] = byte_s(B[lane][0], i);
+      b[16 + 4 * t + i][g] = byte_s(B[lane][1], i);
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < 4; ++e) {
+      const int row = lane / 4 + 8 * (e >> 1), col = 2 * (lane % 4) + (e & 1);
+      int64_t s = 0;
+      for (int k = 0; k < 32; ++k) s += a[row][k] * b[k][col];
+      D[lane][e] = c + static_cast<uint32_t>(s);
+    }
+}
+
+// m16n8k16 .s8 x .s8 -> .s32: A: a0 row g k 4t..4t+3, a1 row g+8; B: b0 k 4t.. of column g.
+void mma_k16(const uint32_t (&A)[32][2], const uint32_t (&B)[32], uint32_t c, Regs4& D) {
+  int a[16][16], b[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      a[g][4 * t + i] = byte_s(A[lane][0], i);
+      a[g + 8][4 * t + i] = byte_s(A[lane][1], i);
+      b[4 * t + i][g] = byte_s(B[lane], i);
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < 4; ++e) {
+      const int row = lane / 4 + 8 * (e >> 1), col = 2 * (lane % 4) + (e & 1);
+      int64_t s = 0;
+      for (int k = 0; k < 16; ++k) s += a[row][k] * b[k][col];
+      D[lane][e] = c + static_cast<uint32_t>(s);
+    }
+}
+
+// m16n8k8 .tf32 -> .f32: A: a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4); B: b0 (t, g), b1
+// (t+4, g); operands truncated to tf32; d = A B + d (summed exactly, rounded once: the hardware
+// truncates, a difference of ulps that the comparisons allow for).
+void mma_tf32(const Regs4& A, const uint32_t (&B)[32][2], float (&D)[32][4]) {
+  double a[16][8], b[8][8];
+  auto tf = [](uint32_t u) { return static_cast<double>(u2f(u & 0xffffe000u)); };
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    a[g][t] = tf(A[lane][0]);
+    a[g + 8][t] = tf(A[lane][1]);
+    a[g][t + 4] = tf(A[lane][2]);
+    a[g + 8][t + 4] = tf(A[lane][3]);
+    b[t][g] = tf(B[lane][0]);
+    b[t + 4][g] = tf(B[lane][1]);
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < 4; ++e) {
+      const int row = lane / 4 + 8 * (e >> 1), col = 2 * (lane % 4) + (e & 1);
+      double s = D[lane][e];
+      for (int k = 0; k < 8; ++k) s += a[row][k] * b[k][col];
+      D[lane][e] = static_cast<float>(s);
+    }
+}
+
+// ---- the modelled warp --------------------------------------------------------------------------
+constexpr int kBN = 16, kTSP = kBN + 2;   // tokens of the item; slice-scale row pitch (as ISmem::TSP)
+constexpr int kVr0 = 16, kStageRows = 48;  // the tile's first virtual row; rows in the stage
+constexpr int kN8 = 1;                     // the tile's n8 index: tokens 8..15
+
+struct TypeGeo {
+  int bb, pitch;
+};
+TypeGeo geo(Type t) {
+  switch (t) {
+    case Type::Q4_K: return {144, 144};
+    case Type::Q5_K: return {176, 176};
+    default: return {224, 240};
+  }
+}
+
+// The activations of one stage as quant_x leaves them (all 32 lanes of the staging warp of each token).
+struct Act {
+  std::vector<uint32_t> bq = std::vector<uint32_t>(kBN * 32 * 4);  // digits a, b
+  std::vector<uint32_t> bc = std::vector<uint32_t>(kBN * 32 * 2);  // digit c
+  std::vector<float> ts = std::vector<float>(8 * kTSP);
+  std::vector<float> xs = std::vector<float>(kBN * 16);  // slice sums hi, mid
+  std::vector<float> xs2 = std::vector<float>(kBN * 8);  // lo
+};
+
+Act quantize_stage(const std::vector<float>& X, int cols, int kt) {
+  Act act;
+  for (int n = 0; n < kBN; ++n) {
+    float x[32][8];
+    uint32_t mb[32];
+    int sum[32];
+    for (int lane = 0; lane < 32; ++lane) {
+      const int j = lane >> 2, t = lane & 3;
+      for (int e = 0; e < 8; ++e) x[lane][e] = X[n * cols + kt * 256 + 32 * j + 4 * t + (e & 3) + 16 * (e >> 2)];
+      mb[lane] = 0;
+      for (int e = 0; e < 8; ++e) mb[lane] = std::max(mb[lane], abs_bits(x[lane][e]));
+    }
+    for (int o : {1, 2}) {  // __shfl_xor_sync butterfly
+      uint32_t m2[32];
+      for (int lane = 0; lane < 32; ++lane) m2[lane] = std::max(mb[lane], mb[lane ^ o]);
+      std::memcpy(mb, m2, sizeof mb);
+    }
+    Digits q[32];
+    Scale sc[32];
+    for (int lane = 0; lane < 32; ++lane) {
+      sc[lane] = slice_scale(mb[lane]);
+      q[lane] = quant8(x[lane], sc[lane].inv);
+      sum[lane] = q[lane].sum;
+    }
+    for (int o : {1, 2}) {
+      int s2[32];
+      for (int lane = 0; lane < 32; ++lane) s2[lane] = sum[lane] + sum[lane ^ o];
+      std::memcpy(sum, s2, sizeof sum);
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int j = lane >> 2, t = lane & 3;
+      uint32_t* dst = &act.bq[4 * bq_index(n, j, t)];
+      dst[0] = q[lane].a0, dst[1] = q[lane].a1, dst[2] = q[lane].b0, dst[3] = q[lane].b1;
+      act.bc[2 * bc_index(n, j, t)] = q[lane].c0;
+      act.bc[2 * bc_index(n, j, t) + 1] = q[lane].c1;
+      if (t == 0) {
+        act.ts[j * kTSP + n] = sc[lane].ts;
+        uint32_t hi, mid, lo;
+        split3_tf32(mul_rn(static_cast<float>(sum[lane]), sc[lane].ts), hi, mid, lo);
+        act.xs[16 * n + xs_word(j, 0)] = u2f(hi);
+        act.xs[16 * n + xs_word(j, 1)] = u2f(mid);
+        act.xs2[8 * n + xs2_word(j)] = u2f(lo);
+      }
+    }
+  }
+  return act;
+}
+
+// stage_kq / stage_q6k for the modelled tile; acc[lane][e] as in the kernel.
+void stage(Type type, const std::vector<uint8_t>& W, const Act& act, float (&acc)[32][4]) {
+  const TypeGeo tg = geo(type);
+  int lrow[32];  // byte offset of each lane's ldmatrix row
+  for (int lane = 0; lane < 32; ++lane) lrow[lane] = (kVr0 + ldsm_row(lane)) * tg.pitch + ldsm_byte(lane);
+  auto ldsm = [&](int add, Regs4& out) {
+    int off[32];
+    for (int lane = 0; lane < 32; ++lane) off[lane] = lrow[lane] + add;
+    ldsm_x4(W.data(), off, out);
+  };
+  auto hdr = [&](int lane, int h, int at) { return W.data() + (kVr0 + lane / 4 + 8 * h) * tg.pitch + at; };
+  auto bq = [&](int lane, int j) { return &act.bq[4 * bq_index(8 * kN8 + lane / 4, j, lane % 4)]; };
+  auto bc = [&](int lane, int j) { return &act.bc[2 * bc_index(8 * kN8 + lane / 4, j, lane % 4)]; };
+  auto ts = [&](int lane, int j, int e) { return act.ts[j * kTSP + 8 * kN8 + 2 * (lane % 4) + (e & 1)]; };
+  // one output's digit MMA results -> scaled slice value (ActView::scales + digit_value)
+  auto value = [&](uint32_t da, uint32_t db, uint32_t dc, int lane, int j, int e) {
+    const float s = ts(lane, j, e);
+    return digit_value(da, db, dc, s, digit_offset(s));
+  };
+
+  if (type == Type::Q4_K || type == Type::Q5_K) {
+    uint32_t scw[32][2][2], mn[32][2][2];
+    float dd[32][2], nd[32][2], dmin[32][2];
+    for (int lane = 0; lane < 32; ++lane)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* p = hdr(lane, h, 0);
+        kq_scales(ld32(p + 4), ld32(p + 8), ld32(p + 12), scw[lane][h], mn[lane][h]);
+        dd[lane][h] = half_of(ld32(p), 0);
+        dmin[lane][h] = half_of(ld32(p), 1);
+        nd[lane][h] = -dd[lane][h] * kMagic;
+      }
+    Regs4 qh = {};
+    if (type == Type::Q5_K) ldsm(16, qh);
+    const int qs = type == Type::Q4_K ? 16 : 48;
+    for (int c = 0; c < 4; ++c) {
+      Regs4 qw;
+      ldsm(qs + 32 * c, qw);
+      for (int hi = 0; hi < 2; ++hi) {
+        const int j = 2 * c + hi;
+        Regs4 A;
+        uint32_t ba[32][2], bb[32][2], bcc[32][2];
+        float rs[32][2];
+        for (int lane = 0; lane < 32; ++lane) {
+          for (int r = 0; r < 4; ++r)
+            A[lane][r] = type == Type::Q4_K ? q4k_codes(qw[lane][r], hi) : q5k_codes(qw[lane][r], qh[lane][r], j, hi);
+          for (int h = 0; h < 2; ++h)
+            rs[lane][h] = scaled_int(dd[lane][h], kMagicBits + byte_u(scw[lane][h][j >> 2], j & 3), nd[lane][h]);
+          const uint32_t* b = bq(lane, j);
+          const uint32_t* c2 = bc(lane, j);
+          ba[lane][0] = b[0], ba[lane][1] = b[1], bb[lane][0] = b[2], bb[lane][1] = b[3];
+          bcc[lane][0] = c2[0], bcc[lane][1] = c2[1];
+        }
+        Regs4 da, db, dc;
+        mma_k32(A, ba, kMagicA, da);
+        mma_k32(A, bb, kMagicB, db);
+        mma_k32(A, bcc, kMagicC, dc);
+        for (int lane = 0; lane < 32; ++lane)
+          for (int e = 0; e < 4; ++e)
+            acc[lane][e] =
+                fma_rn(rs[lane][e >> 1], value(da[lane][e], db[lane][e], dc[lane][e], lane, j, e), acc[lane][e]);
+      }
+    }
+    Regs4 am;
+    uint32_t xh[32][2], xm[32][2], xl[32][2];
+    for (int lane = 0; lane < 32; ++lane) {
+      const int t = lane % 4;
+      am[lane][0] = f2u(small_u2f(byte_u(mn[lane][0][0], t)));
+      am[lane][1] = f2u(small_u2f(byte_u(mn[lane][1][0], t)));
+      am[lane][2] = f2u(small_u2f(byte_u(mn[lane][0][1], t)));
+      am[lane][3] = f2u(small_u2f(byte_u(mn[lane][1][1], t)));
+      const float* x = &act.xs[4 * xs_index(8 * kN8 + lane / 4, t)];
+      const float* x2 = &act.xs2[2 * xs_index(8 * kN8 + lane / 4, t)];
+      xh[lane][0] = f2u(x[0]), xh[lane][1] = f2u(x[1]), xm[lane][0] = f2u(x[2]), xm[lane][1] = f2u(x[3]);
+      xl[lane][0] = f2u(x2[0]), xl[lane][1] = f2u(x2[1]);
+    }
+    float D[32][4] = {};
+    mma_tf32(am, xl, D);
+    mma_tf32(am, xm, D);
+    mma_tf32(am, xh, D);
+    for (int lane = 0; lane < 32; ++lane)
+      for (int e = 0; e < 4; ++e) acc[lane][e] = fma_rn(-dmin[lane][e >> 1], D[lane][e], acc[lane][e]);
+  } else {  // Q6_K
+    uint32_t scv[32][2][4];
+    float dd[32][2], nd[32][2];
+    for (int lane = 0; lane < 32; ++lane)
+      for (int h = 0; h < 2; ++h) {
+        for (int w = 0; w < 4; ++w) scv[lane][h][w] = ld32(hdr(lane, h, 192 + 4 * w));
+        dd[lane][h] = half_of(ld32(hdr(lane, h, 208)), 0);
+        nd[lane][h] = -dd[lane][h] * kMagic;
+      }
+    for (int n_ = 0; n_ < 2; ++n_) {
+      Regs4 qh;
+      ldsm(128 + 32 * n_, qh);
+      for (int kk = 0; kk < 2; ++kk) {
+        Regs4 ql;
+        ldsm(64 * n_ + 32 * kk, ql);
+        for (int hi = 0; hi < 2; ++hi) {
+          const int k = kk + 2 * hi, j = 4 * n_ + k;
+          uint32_t a0[32][2], a1[32][2], ba0[32], bb0[32], bc0[32], ba1[32], bb1[32], bc1[32];
+          float rs[32][2][2];
+          for (int lane = 0; lane < 32; ++lane) {
+            uint32_t A[4];
+            for (int r = 0; r < 4; ++r) A[r] = q6k_codes(ql[lane][r], qh[lane][r], k, hi);
+            a0[lane][0] = A[0], a0[lane][1] = A[1], a1[lane][0] = A[2], a1[lane][1] = A[3];
+            for (int h = 0; h < 2; ++h)
+              for (int f = 0; f < 2; ++f) {
+                const int si = 8 * n_ + 2 * k + f;
+                rs[lane][h][f] = scaled_int(dd[lane][h], kMagicBits + static_cast<uint32_t>(byte_s(scv[lane][h][si >> 2], si & 3)),
+                                            nd[lane][h]);
+              }
+            const uint32_t* b = bq(lane, j);
+            const uint32_t* c2 = bc(lane, j);
+            ba0[lane] = b[0], ba1[lane] = b[1], bb0[lane] = b[2], bb1[lane] = b[3], bc0[lane] = c2[0], bc1[lane] = c2[1];
+          }
+          Regs4 da0, db0, dc0, da1, db1, dc1;
+          mma_k16(a0, ba0, kMagicA, da0);
+          mma_k16(a0, bb0, kMagicB, db0);
+          mma_k16(a0, bc0, kMagicC, dc0);
+          mma_k16(a1, ba1, kMagicA, da1);
+          mma_k16(a1, bb1, kMagicB, db1);
+          mma_k16(a1, bc1, kMagicC, dc1);
+          for (int lane = 0; lane < 32; ++lane)
+            for (int e = 0; e < 4; ++e) {
+              const float v0 = fma_rn(rs[lane][e >> 1][0], value(da0[lane][e], db0[lane][e], dc0[lane][e], lane, j, e), acc[lane][e]);
+              acc[lane][e] = fma_rn(rs[lane][e >> 1][1], value(da1[lane][e], db1[lane][e], dc1[lane][e], lane, j, e), v0);
+            }
+        }
+      }
+    }
+  }
+}
+
+// Runs the modelled warp over cols columns; returns the tile [row 0..16)[token 0..8).
+void emulate(Type type, const std::vector<uint8_t>& dev_rows, int64_t row_stride, const std::vector<float>& X, int cols,
+             double (&out)[16][8]) {
+  const TypeGeo tg = geo(type);
+  float acc[32][4] = {};
+  for (int kt = 0; kt < cols / 256; ++kt) {
+    // the weight stage as issue_w leaves it: super-block kt of row r at virtual row kVr0 + r; the
+    // other rows hold garbage, which the tile must not read
+    std::vector<uint8_t> W(static_cast<size_t>(kStageRows) * tg.pitch, 0xA5);
+    for (int r = 0; r < 16; ++r)
+      std::memcpy(&W[(kVr0 + r) * tg.pitch], &dev_rows[r * row_stride + kt * tg.bb], tg.bb);
+    stage(type, W, quantize_stage(X, cols, kt), acc);
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int e = 0; e < 4; ++e) out[lane / 4 + 8 * (e >> 1)][2 * (lane % 4) + (e & 1)] = acc[lane][e];
+}
+
+// ---- accuracy ------------------------------------------------------------------------------------
+// Activation distributions of the accuracy checks (rows x cols, row-major):
+//   Exact: integers times 2^-10 with one of magnitude kExactQ per 32-column slice: the slice scale
+//     comes out as 2^-10 and the quantization holds them exactly, so only fp32 rounding is left;
+//   Gauss: N(0, 1);
+//   SwiGlu: silu(g) * u with g, u ~ N(0, 1): heavy tailed, like the down projection's input;
+//   Outliers: N(0, 1) with 4 elements per row, at distinct random columns, 100x larger;
+//   Outliers1000: the same 1000x larger (the accuracy is relative to the slice's largest element, so
+//     this is the hard case: an outlier whose weight is ~0 adds little to sum |w x| and yet coarsens
+//     the quantization of the other 31 elements of its slice).
+enum class Dist { Exact, Gauss, SwiGlu, Outliers, Outliers1000 };
+constexpr int kExactQ = 8323072 - 1024;  // kXMax - 1024: the scale rounds up to exactly 2^-10
+const char* dist_name(Dist d) {
+  switch (d) {
+    case Dist::Exact: return "exact";
+    case Dist::Gauss: return "gaussian";
+    case Dist::SwiGlu: return "silu(g)*u";
+    case Dist::Outliers: return "outliers x100";
+    default: return "outliers x1000";
+  }
+}
+std::vector<float> make_x(Dist d, int64_t rows, int64_t cols, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> X(static_cast<size_t>(rows * cols));
+  if (d == Dist::Exact) {
+    std::uniform_int_distribution<int> q(-kExactQ, kExactQ);
+    for (float& v : X) v = std::ldexp(static_cast<float>(q(rng)), -10);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t s = 0; s < cols / 32; ++s)
+        X[n * cols + 32 * s + (n + s) % 32] = std::ldexp(static_cast<float>((s & 1) ? -kExactQ : kExactQ), -10);
+  } else if (d == Dist::SwiGlu) {
+    for (float& v : X) {
+      const float g = nd(rng), u = nd(rng);
+      v = g / (1.f + std::exp(-g)) * u;
+    }
+  } else {
+    for (float& v : X) v = nd(rng);
+    if (d == Dist::Outliers || d == Dist::Outliers1000) {
+      std::uniform_int_distribution<int64_t> col(0, cols - 1);
+      for (int64_t n = 0; n < rows; ++n) {
+        int64_t at[4];
+        for (int o = 0; o < 4; ++o) {
+          do {
+            at[o] = col(rng);
+          } while (std::find(at, at + o, at[o]) != at + o);
+          X[n * cols + at[o]] *= d == Dist::Outliers ? 100.f : 1000.f;
+        }
+      }
+    }
+  }
+  return X;
+}
+
+// Errors as fractions of the kernel tests' bound (1e-5 of sum |w x| + 1e-6): worst and rms.
+struct Ratio {
+  double worst = 0, sq = 0;
+  int64_t n = 0;
+  void add(double err, double bound) {
+    const double r = std::isfinite(err) ? err / bound : INFINITY;
+    worst = std::max(worst, r);
+    sq += r * r;
+    ++n;
+  }
+  double rms() const { return n ? std::sqrt(sq / static_cast<double>(n)) : 0.0; }
+};
+
+// One emulated 16 x 8 tile over cols columns: Gaussian weights of the type (quantized), activations
+// of distribution d. Each output must be within the bound (Exact: within 2e-6 of the scale); the
+// errors are added to r.
+void check_tile(Type type, Dist d, int cols, std::mt19937_64& rng, Ratio& r) {
+  const int rows = 16;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> src(rows * cols), deq(rows * cols);
+  for (float& v : src) v = nd(rng);
+  const size_t rb = moe::gguf::row_bytes(type, cols);
+  std::vector<uint8_t> gg(rb * rows);
+  for (int i = 0; i < rows; ++i) {
+    moe::quant::quantize_row(type, &src[i * cols], &gg[i * rb], cols);
+    moe::quant::dequantize_row(type, &gg[i * rb], &deq[i * cols], cols);
+  }
+  const int64_t row_stride = static_cast<int64_t>(moe::cuda::device_bytes(type, cols, 1));
+  std::vector<uint8_t> dev(moe::cuda::device_bytes(type, cols, rows));
+  moe::cuda::repack_rows(type, gg.data(), dev.data(), cols, rows);
+  const std::vector<float> X = make_x(d, kBN, cols, rng);
+
+  double got[16][8];
+  emulate(type, dev, row_stride, X, cols, got);
+  for (int i = 0; i < 16; ++i)
+    for (int tk = 0; tk < 8; ++tk) {
+      const float* w = &deq[i * cols];
+      const float* x = &X[(8 * kN8 + tk) * cols];
+      double want = 0, scale = 0;
+      for (int c = 0; c < cols; ++c) {
+        want += static_cast<double>(w[c]) * x[c];
+        scale += std::fabs(static_cast<double>(w[c]) * x[c]);
+      }
+      const double tol = d == Dist::Exact ? 2e-6 * scale : 1e-5 * scale + 1e-6;
+      EXPECT_NEAR(got[i][tk], want, tol) << "row " << i << " token " << tk;
+      r.add(std::fabs(got[i][tk] - want), 1e-5 * scale + 1e-6);
+    }
+}
+
+// Fragment or layout mistakes show up as O(1) errors; the accuracy is asked to stay below a tenth of
+// the kernel tests' bound (half for 1000x outliers) on every distribution (K = 512 and 2048, 4096
+// outputs per type and distribution).
+TEST(GemmEmulation, IntegerFragmentsMatchDequantizedProduct) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K})
+    for (Dist d : {Dist::Exact, Dist::Gauss, Dist::SwiGlu, Dist::Outliers, Dist::Outliers1000}) {
+      SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << ", " << dist_name(d));
+      Ratio r;
+      // MOE_GEMM_EMU_TRIALS: tiles per width (16 by default; more for the tails)
+      const char* env = std::getenv("MOE_GEMM_EMU_TRIALS");
+      const int trials = env ? std::max(1, std::atoi(env)) : 16;
+      const char* wenv = std::getenv("MOE_GEMM_EMU_COLS");
+      const int w0 = wenv ? std::atoi(wenv) : 512;
+      for (int cols : {w0, 2048})
+        for (int it = 0; it < trials; ++it) check_tile(t, d, cols, rng, r);
+      std::printf("  %-5s %-14s error / bound: worst %.4f, rms %.5f (%lld outputs)\n", moe::gguf::type_name(t).c_str(),
+                  dist_name(d), r.worst, r.rms(), static_cast<long long>(r.n));
+      EXPECT_LT(r.worst, d == Dist::Outliers1000 ? 0.5 : 0.1);
+    }
+}
+
+// The bit-level helpers on their own: slice scales, digits, the exact steps of digit_value.
+TEST(GemmEmulation, ActivationDigitsAndMagicConversions) {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::uniform_int_distribution<int> ex(-60, 60);
+  for (int it = 0; it < 20000; ++it) {
+    float x[8];
+    uint32_t mb = 0;
+    const float mag = std::ldexp(1.f, ex(rng));
+    for (float& v : x) {
+      v = u(rng) * mag;
+      mb = std::max(mb, abs_bits(v));
+    }
+    if (it % 7 == 0) x[it % 8] = u2f((f2u(x[it % 8]) & 0x80000000u) | mb);  // a tie for the max
+    const Scale sc = slice_scale(mb);
+    // kScaleBits significant bits, never below max|x| / kXMax
+    ASSERT_EQ(f2u(sc.ts) & ((1u << (24 - kScaleBits)) - 1u), 0u) << sc.ts;
+    ASSERT_GE(static_cast<double>(sc.ts) * kXMax, static_cast<double>(u2f(mb)) * (1 - 1e-7));
+    ASSERT_EQ(static_cast<double>(digit_offset(sc.ts)), -static_cast<double>(sc.ts) * kMagicSum);  // exact
+    const Digits q = quant8(x, sc.inv);
+    const uint32_t a[2] = {q.a0, q.a1}, b[2] = {q.b0, q.b1}, c[2] = {q.c0, q.c1};
+    int64_t sum = 0;
+    for (int e = 0; e < 8; ++e) {
+      // X as the kernel rounds it: the fma rounds to halves at worst, then ties go to even
+      const int X = static_cast<int>(std::nearbyint(static_cast<double>(std::fmaf(x[e], sc.inv, kYOffset)))) - 0x8080;
+      ASSERT_LE(std::fabs(X - static_cast<double>(x[e]) * sc.inv), 0.75) << x[e];
+      ASSERT_LE(std::abs(X), kXMax + 2);
+      const int xa = byte_s(a[e >> 2], e & 3), xb = byte_s(b[e >> 2], e & 3), xc = byte_s(c[e >> 2], e & 3);
+      ASSERT_EQ(65536 * xa + 256 * xb + xc, X) << x[e];
+      ASSERT_LE(std::abs(xa), 127);
+      // what X stands for: x to 3/4 of a unit of s (s <= 1.04 max|x| / kXMax) and 2^-23 |x|
+      ASSERT_NEAR(static_cast<double>(X) * sc.ts, x[e], 0.75 * sc.ts + std::fabs(x[e]) * 1.2e-7);
+      sum += X;
+    }
+    ASSERT_EQ(q.sum, sum);
+  }
+  // Dist::Exact's slices: scale 2^-10
+  EXPECT_EQ(slice_scale(f2u(std::ldexp(static_cast<float>(kExactQ), -10))).ts, std::ldexp(1.f, -10));
+  // zero, tiny, infinite and NaN slices
+  EXPECT_EQ(slice_scale(0u).ts, 0.f);
+  EXPECT_EQ(slice_scale(0u).inv, 0.f);
+  EXPECT_EQ(slice_scale(f2u(1e-30f)).ts, 0.f);
+  EXPECT_TRUE(std::isnan(slice_scale(0x7F800000u).ts));
+  EXPECT_TRUE(std::isnan(slice_scale(0x7FFFFFFFu).ts));
+  // digit_value at the extremes of the three digit MMAs (a Q4_K/Q5_K slice: |D| <= 32 * 31 * 128;
+  // the top digit |Xa| <= 127): the first fma exact, the result within 2^-23 and 0.75 ts
+  for (float ts : {std::ldexp(1.f, -20), std::ldexp(63.f, -30), std::ldexp(33.f, 3)}) {
+    const float k = digit_offset(ts);
+    for (int da : {-125984, -62496, -1, 0, 1, 777, 62496, 125984})
+      for (int db : {-126976, -5, 0, 126976})
+        for (int dc : {-126976, -3, 0, 1, 126976}) {
+          const float fa = u2f(kMagicA + static_cast<uint32_t>(da));
+          EXPECT_EQ(static_cast<double>(fma_rn(ts, fa, k)), static_cast<double>(ts) * 65536.0 * (da - 49344.0));
+          const float v = digit_value(kMagicA + static_cast<uint32_t>(da), kMagicB + static_cast<uint32_t>(db),
+                                      kMagicC + static_cast<uint32_t>(dc), ts, k);
+          const double want = static_cast<double>(ts) * (65536.0 * da + 256.0 * db + dc);
+          EXPECT_NEAR(v, want, std::fabs(want) * 1.2e-7 + 0.75 * ts) << da << " " << db << " " << dc;
+        }
+  }
+  // the slice sums' three-way split
+  for (float v : {1.f, -3.1415926f, 12345.678f, 1e-20f, 7.77e20f}) {
+    uint32_t hi, mid, lo;
+    split3_tf32(v, hi, mid, lo);
+    const auto tf = [](uint32_t w) { return static_cast<double>(u2f(w & 0xffffe000u)); };
+    EXPECT_NEAR(tf(hi) + tf(mid) + tf(lo), v, std::fabs(v) * 1e-9);
+  }
+  for (int s = -128; s < 128; ++s)
+    EXPECT_EQ(scaled_int(0.0123f, kMagicBits + static_cast<uint32_t>(s), -0.0123f * kMagic), 0.0123f * static_cast<float>(s));
+  for (uint32_t v : {0u, 1u, 63u, 255u}) EXPECT_EQ(small_u2f(v), static_cast<float>(v));
+  // Q6_K codes: q - 32 for every 6-bit q
+  for (int q = 0; q < 64; ++q) {
+    const uint32_t ql = static_cast<uint32_t>(q & 15) * 0x01010101u, qh = static_cast<uint32_t>(q >> 4) * 0x01010101u;
+    EXPECT_EQ(byte_s(q6k_codes(ql, qh, 0, 0), 2), q - 32);
+  }
+}
+
+// ---- on the device ---------------------------------------------------------------------------------
+namespace k = moe::cuda::k;
+using gpu_test::Dev;
+using gpu_test::ok;
+using gpu_test::QMatrix;
+
+// sum w*x and sum |w*x| in one pass.
+void dot2(const float* w, const float* x, int64_t n, double& s, double& a) {
+  s = a = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double p = static_cast<double>(w[i]) * x[i];
+    s += p;
+    a += std::fabs(p);
+  }
+}
+
+// Counts the misses of the kernel tests' bound (1e-5 of the scale + 1e-6), reporting the first few,
+// and asks for a margin: the worst error below a quarter of the bound (the emulation's worst is
+// below a tenth; the device's tf32 minimums truncate where the model rounds).
+struct Check {
+  std::string what;
+  int64_t misses = 0;
+  Ratio r;
+  explicit Check(std::string w) : what(std::move(w)) {}
+  void operator()(double got, double want, double scale, int64_t i) { bound(got, want, 1e-5 * scale + 1e-6, i); }
+  void bound(double got, double want, double tol, int64_t i) {
+    r.add(std::fabs(got - want), tol);
+    if (std::isfinite(got) && std::fabs(got - want) <= tol) return;
+    if (++misses <= 5) ADD_FAILURE() << what << " index " << i << ": got " << got << ", want " << want << " (bound " << tol << ")";
+  }
+  ~Check() {
+    std::printf("  %-40s error / bound: worst %.4f, rms %.5f (%lld outputs)\n", what.c_str(), r.worst, r.rms(),
+                static_cast<long long>(r.n));
+    EXPECT_EQ(misses, 0) << what;
+    EXPECT_LT(r.worst, 0.25) << what;
+  }
+};
+
+// The wide dense tile (256 rows x 32 tokens, one block per SM walking several items on a 132-SM
+// H200) with a row tail, token counts that are not a multiple of 8, one super-block (the pipeline
+// then crosses an item every stage) and two, and accumulation into a strided output; Gaussian and
+// heavy-tailed activations.
+TEST(CudaGemm, IntegerDenseWideTilesAccumulate) {
+  REQUIRE_GPU();
+  const uint64_t seed = gpu_test::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Case {
+    int64_t rows, cols, ntok;
+  };
+  for (const Case c : {Case{2600, 512, 300}, Case{4300, 256, 290}})
+    for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K}) {
+      const std::string name = std::string(moe::gguf::type_name(t)) + " " + std::to_string(c.rows) + "x" +
+                               std::to_string(c.cols) + ", " + std::to_string(c.ntok) + " tokens";
+      SCOPED_TRACE(name);
+      QMatrix W(t, c.rows, c.cols, rng);
+      for (Dist d : {Dist::Gauss, Dist::SwiGlu, Dist::Outliers}) {
+        const std::vector<float> X = make_x(d, c.ntok, c.cols, rng);
+        const int y_stride = static_cast<int>(c.rows) + 5;
+        const std::vector<float> Y0 = gpu_test::randn(c.ntok * y_stride, rng);
+        Dev<float> dX(X), dY(Y0);
+        ok(k::gemm(W.mat(), dX.p, static_cast<int>(c.cols), static_cast<int>(c.ntok), dY.p, y_stride, true, nullptr));
+        ok(cudaDeviceSynchronize());
+        const std::vector<float> Y = dY.get();
+        Check check("dense " + name + ", " + dist_name(d));
+        for (int64_t tk = 0; tk < c.ntok; ++tk) {
+          for (int64_t r = 0; r < c.rows; ++r) {
+            double s, a;
+            dot2(&W.deq[r * c.cols], &X[tk * c.cols], c.cols, s, a);
+            const size_t i = tk * y_stride + r;
+            check(Y[i], Y0[i] + s, a + std::fabs(Y0[i]), static_cast<int64_t>(i));
+          }
+          for (int64_t r = c.rows; r < y_stride; ++r) EXPECT_EQ(Y[tk * y_stride + r], Y0[tk * y_stride + r]) << "wrote past the rows";
+        }
+      }
+    }
+}
+
+// Grouped experts with uneven loads: expert 0 gets no token, expert 1 one, expert 2 seventy (three
+// token tiles), the others a few each, over 40 experts (more items than blocks on any GPU). Gate/up
+// and down are each checked on their own: down against the device's act (silu(g) * u: heavy tailed).
+TEST(CudaGemm, IntegerGroupedExpertsUnevenCounts) {
+  REQUIRE_GPU();
+  const uint64_t seed = gpu_test::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 512, F = 256, X = 40, K = 2, T = 150;
+  std::vector<int32_t> ids(T * K);
+  std::uniform_int_distribution<int> pick(3, X - 1);
+  for (int t = 0; t < T; ++t) {
+    ids[t * K] = t < 70 ? 2 : pick(rng);
+    if (t == 70) {
+      ids[t * K + 1] = 1;
+    } else {
+      do {
+        ids[t * K + 1] = pick(rng);
+      } while (ids[t * K + 1] == ids[t * K]);
+    }
+  }
+  struct Types {
+    Type gate_up, down;
+  };
+  for (const Types ty : {Types{Type::Q4_K, Type::Q6_K}, Types{Type::Q5_K, Type::Q4_K}, Types{Type::Q6_K, Type::Q5_K}})
+    for (Dist d : {Dist::Gauss, Dist::Outliers}) {
+      const std::string name = std::string("gate/up ") + moe::gguf::type_name(ty.gate_up) + ", down " +
+                               moe::gguf::type_name(ty.down) + ", " + dist_name(d);
+      SCOPED_TRACE(name);
+      QMatrix G(ty.gate_up, X * F, E, rng), U(ty.gate_up, X * F, E, rng), D(ty.down, X * E, F, rng);
+      const std::vector<float> h = make_x(d, T, E, rng);
+      Dev<float> dh(h), act(T * K * F), dout(T * K * E);
+      Dev<int32_t> di(ids), tos(T * K), slot(T * K);
+      Dev<int> count(X), offset(X);
+      ok(k::group_by_expert(di.p, T, K, X, count.p, offset.p, tos.p, slot.p, nullptr));
+      ok(k::expert_gate_up_grouped(G.mat(F), U.mat(F), dh.p, E, count.p, offset.p, tos.p, X, T, act.p, nullptr));
+      ok(k::expert_down_grouped(D.mat(E), act.p, count.p, offset.p, X, T, dout.p, nullptr));
+      ok(cudaDeviceSynchronize());
+      const std::vector<int> cnt = count.get(), off = offset.get();
+      const std::vector<int32_t> token = tos.get();
+      const std::vector<float> a = act.get(), y = dout.get();
+      EXPECT_EQ(cnt[0], 0);
+      EXPECT_EQ(cnt[1], 1);
+      EXPECT_EQ(cnt[2], 70);
+      Check check_act("gate/up " + name), check_down("down " + name);
+      for (int e = 0; e < X; ++e)
+        for (int sl = off[e]; sl < off[e] + cnt[e]; ++sl) {
+          const float* hx = &h[static_cast<size_t>(token[sl]) * E];
+          for (int r = 0; r < F; ++r) {
+            double g, ag, u, au;
+            dot2(&G.deq[(static_cast<int64_t>(e) * F + r) * E], hx, E, g, ag);
+            dot2(&U.deq[(static_cast<int64_t>(e) * F + r) * E], hx, E, u, au);
+            const double sg = g / (1.0 + std::exp(-g)), want = sg * u;
+            // each product within 1e-5 of its scale; silu' stays below 1.1
+            const double tol = 1e-5 * (1.1 * std::fabs(u) * ag + std::fabs(sg) * au + 1e-5 * ag * au) + 1e-6 * std::fabs(want) + 1e-6;
+            check_act.bound(a[static_cast<size_t>(sl) * F + r], want, tol, static_cast<int64_t>(sl) * F + r);
+          }
+          for (int r = 0; r < E; ++r) {
+            double s, sa;
+            dot2(&D.deq[(static_cast<int64_t>(e) * E + r) * F], &a[static_cast<size_t>(sl) * F], F, s, sa);
+            check_down(y[static_cast<size_t>(sl) * E + r], s, sa, static_cast<int64_t>(sl) * E + r);
+          }
+        }
+    }
+}
+
+}  // namespace
