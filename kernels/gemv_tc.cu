@@ -35,14 +35,14 @@ namespace {
 // four warps with the next super-block's loads pipelined (BM_Decode/0 332 vs 321 tok/s).
 constexpr int NW = 8;
 
-template <uint32_t T>
+template <uint32_t T, bool kPipe>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
                                              float (*part)[16]) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const uint8_t* rg = W.data + min(r0 + g, W.rows - 1) * W.row_stride;
   const uint8_t* r8 = W.data + min(r0 + g + 8, W.rows - 1) * W.row_stride;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T, false>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, NW, xq,
+  tile16<T, kPipe>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, NW, xq,
                    acc);
   MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
@@ -60,9 +60,11 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // Every kernel here first has the SM's TMA pull its weight rows into L2 (bulk_prefetch_l2: the loads of
 // x behind them are not delayed), stages x, and then loads the weights, by then on their way to L2.
 
-// R: float4s of x per thread held in registers while staging (2: 2,048 columns, 4: 4,096).
+// R: float4s of x per thread held in registers while staging (2: up to 2,048 columns, three blocks per
+// SM; 4: up to 4,096 — the O projection, whose 128 tiles leave one block per SM, so its warps can
+// afford to load their second super-block while multiplying the first).
 template <int R>
-__global__ void __launch_bounds__(NW * 32, 3) tc_gemv_kernel(GemvArgs a) {
+__global__ void __launch_bounds__(NW * 32, R == 2 ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[NW][16];
@@ -96,9 +98,9 @@ __global__ void __launch_bounds__(NW * 32, 3) tc_gemv_kernel(GemvArgs a) {
     const int r0 = find(tile, m);
     const Mat& W = a.outs[m].W;
     switch (W.type) {
-      case layout::Q4_K: tc_gemv_tile<layout::Q4_K>(a, W, a.outs[m].y, r0, xq, part); break;
-      case layout::Q5_K: tc_gemv_tile<layout::Q5_K>(a, W, a.outs[m].y, r0, xq, part); break;
-      case layout::Q6_K: tc_gemv_tile<layout::Q6_K>(a, W, a.outs[m].y, r0, xq, part); break;
+      case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2)>(a, W, a.outs[m].y, r0, xq, part); break;
+      case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2)>(a, W, a.outs[m].y, r0, xq, part); break;
+      case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2)>(a, W, a.outs[m].y, r0, xq, part); break;
       default: break;
     }
   }
