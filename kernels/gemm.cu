@@ -124,6 +124,10 @@ using ShapeWide = Shape<4, 2, 4, false, false, 2, C>;
 // ShapeWide so that the grid fills the GPU.
 template <bool C>
 using ShapeSmall = Shape<2, 2, 2, false, false, 4, C>;
+// dense, few rows (the F32 router: 128 rows): 32 rows x 16 tokens, 2 warps, 4x the blocks of
+// ShapeSmall (measured 123 us per layer with ShapeSmall's 32 blocks at 512 tokens).
+template <bool C>
+using ShapeTiny = Shape<1, 2, 1, false, false, 8, C>;
 
 // Where a slice's columns sit in a shared-memory row (weights and activations alike): the 4-column
 // chunk c at chunk pos(c) = 2 (c % 4) + c / 4. Lane t of a warp reads chunks 2t + h (h = 0, 1; see the
@@ -1179,8 +1183,12 @@ cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y
   if (2 * wide >= 3 * sm_count())
     return launch_codes<ShapeWide>(is_code_type(W.type), a, tiles<ShapeWide<false>>(W.rows, true),
                                    tiles<ShapeWide<false>>(n_tok, false), 1, s);
-  return launch_codes<ShapeSmall>(is_code_type(W.type), a, tiles<ShapeSmall<false>>(W.rows, true),
-                                  tiles<ShapeSmall<false>>(n_tok, false), 1, s);
+  const int small = tiles<ShapeSmall<false>>(W.rows, true) * tiles<ShapeSmall<false>>(n_tok, false);
+  if (small >= sm_count())
+    return launch_codes<ShapeSmall>(is_code_type(W.type), a, tiles<ShapeSmall<false>>(W.rows, true),
+                                    tiles<ShapeSmall<false>>(n_tok, false), 1, s);
+  return launch_codes<ShapeTiny>(is_code_type(W.type), a, tiles<ShapeTiny<false>>(W.rows, true),
+                                 tiles<ShapeTiny<false>>(n_tok, false), 1, s);
 }
 
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
