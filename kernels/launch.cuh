@@ -102,8 +102,9 @@ cudaError_t trace_attach_attention(void* buf, void* count);
 cudaError_t noop(int blocks, int threads, cudaStream_t s);
 
 // ---- prefill ----------------------------------------------------------------------------------------
-// Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled on the tensor cores at fp32 accuracy: 2xTF32 on quant codes,
-// 3xTF32 on dequantized floats; see gemm.cu).
+// Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled on the tensor cores at fp32-level accuracy: K-quant codes
+// on the integer MMA against 24-bit activations, 2xTF32 on the codes of Q4_0/Q5_0/Q8_0, 3xTF32 on
+// dequantized floats; see gemm.cu).
 cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y, int y_stride, bool accumulate,
                  cudaStream_t s);
 // Per token: softmax over the router logits, top n_used, renormalised weights.
