@@ -244,19 +244,28 @@ __device__ __forceinline__ void choose_experts(const float* logits, int n, int k
 namespace moe::cuda::k {
 bool pdl_enabled();  // MOE_CUDA_PDL=1 (see gemv.cu)
 
-// Launches with the programmatic-stream-serialization attribute (see pdl_wait).
+// cudaLaunchKernelEx with at most one launch attribute (none when attr is null).
 template <typename... KArgs, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+cudaError_t launch_with(const cudaLaunchAttribute* attr, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t s, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cudaLaunchAttribute a[1];
+  if (attr) a[0] = *attr;
+  cfg.attrs = a;
+  cfg.numAttrs = attr ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+// Launches with the programmatic-stream-serialization attribute (see pdl_wait).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return launch_with(pdl_enabled() ? &attr : nullptr, kernel, grid, block, smem, s, args...);
 }
 }  // namespace moe::cuda::k

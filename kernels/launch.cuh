@@ -81,9 +81,13 @@ cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* po
 bool attention_supported(int n_head, int n_head_kv, int head_dim);
 // Decode (one token at pos0[0]): qk_norm_rope_store and attention in one launch. qkv holds the raw
 // [q | k | v] row (left unchanged); the KV cache row of the position is written; out as attention.
+// rope_cs: the position's table from rope_table, or null (each block then evaluates the angles).
 cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,
                              Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
-                             int n_split, float* partials, int* counters, float* out, cudaStream_t s);
+                             int n_split, float* partials, int* counters, float* out, const float* rope_cs,
+                             cudaStream_t s);
+// out[0 .. head_dim/2) = cos, out[head_dim/2 .. head_dim) = sin of the RoPE pairs at position pos0[0].
+cudaError_t rope_table(const int32_t* pos0, Rope rope, int head_dim, float* out, cudaStream_t s);
 
 // out[0] = argmax of x[0..n) (lowest index on ties, non-finite values skipped), out[1] = 1 when some
 // x is not finite (else 0); scratch holds kArgmaxScratch floats.
@@ -96,10 +100,46 @@ cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStre
 cudaError_t trace_attach_gemv_tc(void* buf, void* count);
 cudaError_t trace_attach_gemv(void* buf, void* count);
 cudaError_t trace_attach_attention(void* buf, void* count);
+cudaError_t trace_attach_decode_persist(void* buf, void* count);
 #endif
 
 // An empty kernel of `blocks` x `threads` (measures the launch floor in a graph).
 cudaError_t noop(int blocks, int threads, cudaStream_t s);
+
+// ---- the persistent decode kernel (decode_persist.cu) ---------------------------------------------------
+// Every layer of one decode token in one cooperative launch (grid barriers between the phases; weight
+// rows sent to L2 ahead of their phase). The layer table lives in device memory.
+struct PersistLayer {
+  Mat q, k, v, o, router, gate, up, down;
+  const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  void *k_cache = nullptr, *v_cache = nullptr;
+};
+struct PersistArgs {
+  const PersistLayer* layers = nullptr;  // device array of n_layers
+  int n_layers = 0;
+  float *x = nullptr, *qkv = nullptr, *o = nullptr, *logits = nullptr, *act = nullptr, *partials = nullptr;
+  int* counters = nullptr;    // attention_decode's (n_head_kv ints, zero, left zero)
+  unsigned* barrier = nullptr;  // one counter, zeroed by decode_persist before the launch
+  const int32_t* pos = nullptr;
+  const float* rope_cs = nullptr;  // rope_table of the position (computed before the launch)
+  uint64_t* profile = nullptr;  // optional: [barrier][block] {arrive ns, leave ns, arrive clock64} (%globaltimer)
+  Rope rope;
+  float eps = 0.f;
+  int n_embd = 0, n_head = 0, n_head_kv = 0, head_dim = 0, n_expert = 0, n_used = 0, n_split = 1;
+  // shared-memory plan (persist_plan): bytes of the x staging, offsets of the O and down weights
+  int smem_x = 0, off_o = 0, off_down = 0, early_qkv = 0;
+};
+// MOE_CUDA_PERSIST=1 turns it on (off by default: slower than the per-kernel graph so far; MOE_CUDA_TC=0
+// also keeps it off).
+bool persist_enabled();
+// Checks that the kernel covers the model (Q4_K/Q5_K/Q6_K matrices, an F32 router, attention_supported
+// geometry, the shapes of a qwen3moe layer) and that a block's share of each phase's weights fits in
+// shared memory; fills a's shared-memory plan and returns the launch shape (one block per SM).
+// cudaErrorNotSupported when it does not apply. host_layers is the host copy of the table.
+cudaError_t persist_plan(PersistArgs& a, const PersistLayer* host_layers, size_t* smem, int* blocks);
+constexpr int kPersistBarriersPerLayer = 6;
+// Zeroes the barrier and launches (cooperatively) on s.
+cudaError_t decode_persist(const PersistArgs& a, size_t smem, int blocks, cudaStream_t s);
 
 // ---- prefill ----------------------------------------------------------------------------------------
 // Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled on the tensor cores at fp32-level accuracy: K-quant codes

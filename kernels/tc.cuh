@@ -182,7 +182,29 @@ __device__ __forceinline__ uint4 ldg128(const uint8_t* p) {
   return r;
 }
 
-// This lane's bytes of one super-block of rows g and g + 8.
+// The same loads from shared memory (a generic pointer into it): weights staged by cp.async.
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  uint32_t r;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return r;
+}
+__device__ __forceinline__ uint4 lds128(const uint8_t* p) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return r;
+}
+template <bool kSm>
+__device__ __forceinline__ uint32_t ld32(const uint8_t* p) {
+  if constexpr (kSm) return lds32(p); else return ldg32(p);
+}
+template <bool kSm>
+__device__ __forceinline__ uint4 ld128(const uint8_t* p) {
+  if constexpr (kSm) return lds128(p); else return ldg128(p);
+}
+
+// This lane's bytes of one super-block of rows g and g + 8 (in global memory, or with kSm in shared).
 struct SbRaw {
   uint32_t q[2][4][2];  // [row][chunk][h]: Q4_K/Q5_K qs words, Q6_K ql words
   uint32_t h[2][4][2];  // Q6_K qh words [row][chunk][h]; Q5_K qh words [row][0][h]
@@ -190,7 +212,7 @@ struct SbRaw {
   uint32_t d[2];        // Q6_K: d
 };
 
-template <uint32_t T>
+template <uint32_t T, bool kSm = false>
 __device__ __forceinline__ void load_sb(const uint8_t* rg, const uint8_t* r8, int t, SbRaw& r) {
   using namespace layout;
   const uint8_t* rows[2] = {rg, r8};
@@ -202,11 +224,11 @@ __device__ __forceinline__ void load_sb(const uint8_t* rg, const uint8_t* r8, in
 #pragma unroll
       for (int c = 0; c < 4; ++c)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) r.q[i][c][h] = ldg32(b + qs + 32 * c + 16 * h + 4 * t);
-      r.hdr[i] = ldg128(b);
+        for (int h = 0; h < 2; ++h) r.q[i][c][h] = ld32<kSm>(b + qs + 32 * c + 16 * h + 4 * t);
+      r.hdr[i] = ld128<kSm>(b);
       if constexpr (T == Q5_K) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) r.h[i][0][h] = ldg32(b + 16 + 16 * h + 4 * t);
+        for (int h = 0; h < 2; ++h) r.h[i][0][h] = ld32<kSm>(b + 16 + 16 * h + 4 * t);
       }
     } else {  // Q6_K: chunk ch = 2n + kk
 #pragma unroll
@@ -214,11 +236,11 @@ __device__ __forceinline__ void load_sb(const uint8_t* rg, const uint8_t* r8, in
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int n = ch >> 1, kk = ch & 1;
-          r.q[i][ch][h] = ldg32(b + 64 * n + 32 * kk + 16 * h + 4 * t);
-          r.h[i][ch][h] = ldg32(b + 128 + 32 * n + 16 * h + 4 * t);
+          r.q[i][ch][h] = ld32<kSm>(b + 64 * n + 32 * kk + 16 * h + 4 * t);
+          r.h[i][ch][h] = ld32<kSm>(b + 128 + 32 * n + 16 * h + 4 * t);
         }
-      r.hdr[i] = ldg128(b + 192);
-      r.d[i] = ldg32(b + 208);
+      r.hdr[i] = ld128<kSm>(b + 192);
+      r.d[i] = ld32<kSm>(b + 208);
     }
   }
 }
@@ -353,7 +375,7 @@ __device__ __forceinline__ uint32_t tc_row_bytes(uint32_t type, int cols) {
 // x). row(seg, i) gives the segment's row pointer of this lane's row i (0: g, 1: g + 8), wgt(seg) its
 // weight. With kPipe the next super-block's loads are issued before the current one is multiplied
 // (twice the registers: for warps with several super-blocks); without, other warps hide the latency.
-template <uint32_t T, bool kPipe, class RowFn, class WFn>
+template <uint32_t T, bool kPipe, bool kSm = false, class RowFn, class WFn>
 __device__ __forceinline__ void tile16(RowFn row, WFn wgt, int n_seg, int sb_per_seg, int first, int step,
                                        const XQ& xq, float (&acc)[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -361,7 +383,7 @@ __device__ __forceinline__ void tile16(RowFn row, WFn wgt, int n_seg, int sb_per
   constexpr int BB = sb_bytes<T>();
   auto load = [&](int f, SbRaw& r) {
     const int seg = f / sb_per_seg, sb = f - seg * sb_per_seg;
-    load_sb<T>(row(seg, 0) + sb * BB, row(seg, 1) + sb * BB, t, r);
+    load_sb<T, kSm>(row(seg, 0) + sb * BB, row(seg, 1) + sb * BB, t, r);
   };
   int f = first;
   if constexpr (kPipe) {

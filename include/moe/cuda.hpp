@@ -23,6 +23,7 @@ struct DeviceInfo {
   uint64_t vram_total_mib = 0;
   uint64_t vram_used_mib = 0;  // taken by this forward (weights, KV cache, scratch)
   double upload_ms = 0;
+  std::string decode_path;  // "persistent kernel" or "kernel graph" (docs/ARCHITECTURE.md)
 };
 
 // Builds the forward on `o.device`. Throws moe::Error(Exit::gpu_failed, reason) where the reason

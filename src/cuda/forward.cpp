@@ -97,11 +97,13 @@ class CudaForward final : public Forward {
       info->name = device_name_;
       info->vram_total_mib = static_cast<uint64_t>(total_b / kMiB);
       info->vram_used_mib = free_b > free_after ? static_cast<uint64_t>((free_b - free_after) / kMiB) : 0;
+      info->decode_path = use_persist_ ? "persistent kernel" : "kernel graph";
       info->upload_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_start).count();
     }
   }
 
   ~CudaForward() override {
+    if (!profile_path_.empty()) write_profile();
     if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
     if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
     if (host_io_) cudaFreeHost(host_io_);
@@ -252,9 +254,10 @@ class CudaForward final : public Forward {
         c_.n_head_kv * static_cast<size_t>(decode_splits()) * G * (c_.head_dim + 2) * f,  // partials
         B * c_.n_head_kv * 4,                                 // counters
         X * f,                                                // router logits (decode)
-        64,                                                   // -, token, pos, prefill pos, argmax
+        64,                                                   // -, token, pos, prefill pos, argmax, barrier
         B * 4,                                                // prefill ids
         k::kArgmaxScratch * f,                                // argmax partials
+        c_.head_dim * f,                                      // RoPE table of the decode position
     };
   }
   uint64_t scratch_bytes() const {
@@ -391,8 +394,10 @@ class CudaForward final : public Forward {
     pos_ = small + 2;
     prefill_pos_ = small + 3;
     argmax_.ptr = small + 4;
+    barrier_ = reinterpret_cast<unsigned*>(small + 8);
     prefill_ids_ = reinterpret_cast<int32_t*>(p[18]);
     argmax_scratch_ = reinterpret_cast<float*>(p[19]);
+    rope_cs_ = reinterpret_cast<float*>(p[20]);
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
     check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");
   }
@@ -432,12 +437,14 @@ class CudaForward final : public Forward {
     const float eps = c_.rms_eps;
     const k::Rope rp = rope();
     check(k::embed_rows(embd_, token_, 1, x_, stream_), step);
-    for (size_t l = 0; l < layers_.size(); ++l) {
+    check(k::rope_table(pos_, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_), step);
+    if (use_persist_) check(k::decode_persist(persist_, persist_smem_, persist_blocks_, stream_), step);
+    for (size_t l = 0; l < (use_persist_ ? 0 : layers_.size()); ++l) {
       const DevLayer& L = layers_[l];
       k::GemvOut qkv[3] = {{L.q, qkv_}, {L.k, qkv_ + Q}, {L.v, qkv_ + Q + KV}};
       check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_), step);
       check(k::attention_decode(qkv_, pos_, L.q_norm, L.k_norm, eps, rp, k_cache(l), v_cache(l), c_.n_head,
-                                c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, stream_),
+                                c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, rope_cs_, stream_),
             step);
       k::GemvOut out{L.o, x_};
       check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
@@ -454,7 +461,77 @@ class CudaForward final : public Forward {
     (void)E;
   }
 
+  // MOE_PERSIST_PROFILE=file: the barrier times of the last decode token, one line per (barrier, block).
+  void write_profile() {
+    std::vector<uint64_t> v(profile_.bytes / 8);
+    if (cudaStreamSynchronize(stream_) != cudaSuccess ||
+        cudaMemcpy(v.data(), profile_.ptr, profile_.bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+      return;
+    std::FILE* f = std::fopen(profile_path_.c_str(), "w");
+    if (!f) return;
+    std::fprintf(f, "barrier,block,arrive,leave,clock\n");
+    const size_t nb = static_cast<size_t>(persist_blocks_);
+    for (size_t i = 0; i < v.size() / 3; ++i)
+      std::fprintf(f, "%zu,%zu,%llu,%llu,%llu\n", i / nb, i % nb, static_cast<unsigned long long>(v[3 * i]),
+                   static_cast<unsigned long long>(v[3 * i + 1]), static_cast<unsigned long long>(v[3 * i + 2]));
+    std::fclose(f);
+  }
+
+  // The persistent kernel's table and launch shape, when the model and the device allow it.
+  void setup_persist() {
+    use_persist_ = false;
+    if (!k::persist_enabled()) return;
+    std::vector<k::PersistLayer> t;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const DevLayer& L = layers_[l];
+      k::PersistLayer p;
+      p.q = L.q; p.k = L.k; p.v = L.v; p.o = L.o; p.router = L.router; p.gate = L.gate; p.up = L.up; p.down = L.down;
+      p.attn_norm = L.attn_norm; p.ffn_norm = L.ffn_norm; p.q_norm = L.q_norm; p.k_norm = L.k_norm;
+      p.k_cache = k_cache(l);
+      p.v_cache = v_cache(l);
+      t.push_back(p);
+    }
+    k::PersistArgs& a = persist_;
+    a.n_layers = static_cast<int>(t.size());
+    a.x = x_; a.qkv = qkv_; a.o = o_; a.logits = route_logits_; a.act = act_; a.partials = partials_;
+    a.counters = counters_; a.barrier = barrier_; a.pos = pos_; a.rope_cs = rope_cs_; a.rope = rope(); a.eps = c_.rms_eps;
+    a.n_embd = static_cast<int>(c_.n_embd); a.n_head = static_cast<int>(c_.n_head);
+    a.n_head_kv = static_cast<int>(c_.n_head_kv); a.head_dim = static_cast<int>(c_.head_dim);
+    a.n_expert = static_cast<int>(c_.n_expert); a.n_used = static_cast<int>(c_.n_expert_used);
+    a.n_split = decode_splits();
+    if (t.empty() || k::persist_plan(a, t.data(), &persist_smem_, &persist_blocks_) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    if (const char* path = std::getenv("MOE_PERSIST_PROFILE")) {  // per-block barrier times of the last token
+      profile_path_ = path;
+      profile_.alloc(t.size() * k::kPersistBarriersPerLayer * 3 * static_cast<size_t>(persist_blocks_) * 8,
+                     "the persistent kernel's profile");
+      a.profile = profile_.as<uint64_t>();
+    }
+    persist_table_.alloc(t.size() * sizeof(k::PersistLayer), "the layer table");
+    check(cudaMemcpy(persist_table_.ptr, t.data(), t.size() * sizeof(k::PersistLayer), cudaMemcpyHostToDevice),
+          "upload failed: layer table");
+    a.layers = persist_table_.as<k::PersistLayer>();
+    use_persist_ = true;
+  }
+
+  // Captures the decode graphs with the persistent kernel when it is available, else (or when its
+  // capture fails: a driver without cooperative launches in graphs) with one kernel per step.
   void capture() {
+    setup_persist();
+    if (use_persist_) {
+      try {
+        capture_graphs();
+        return;
+      } catch (const Error&) {
+        use_persist_ = false;
+      }
+    }
+    capture_graphs();
+  }
+
+  void capture_graphs() {
     for (int greedy = 0; greedy < 2; ++greedy) {
       cudaGraph_t g = nullptr;
       check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture failed");
@@ -470,7 +547,9 @@ class CudaForward final : public Forward {
       cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
       cudaGraphDestroy(g);
       check(e, "graph capture failed");
-      (greedy ? graph_greedy_ : graph_logits_) = exec;
+      cudaGraphExec_t& slot = greedy ? graph_greedy_ : graph_logits_;
+      if (slot) cudaGraphExecDestroy(slot);
+      slot = exec;
     }
   }
 
@@ -572,6 +651,15 @@ class CudaForward final : public Forward {
   int *count_ = nullptr, *offset_ = nullptr, *counters_ = nullptr;
   float *act_ = nullptr, *expert_out_ = nullptr, *argmax_scratch_ = nullptr, *partials_ = nullptr, *route_logits_ = nullptr;
   int32_t *token_ = nullptr, *pos_ = nullptr, *prefill_pos_ = nullptr;
+  unsigned* barrier_ = nullptr;
+  float* rope_cs_ = nullptr;
+  // the persistent decode kernel (decode_persist.cu): its layer table, arguments and launch shape
+  DeviceBuffer persist_table_, profile_;
+  std::string profile_path_;
+  k::PersistArgs persist_;
+  size_t persist_smem_ = 0;
+  int persist_blocks_ = 0;
+  bool use_persist_ = false;
   struct {
     void* ptr = nullptr;
   } logits_;

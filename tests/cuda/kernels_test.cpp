@@ -457,14 +457,18 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
       }
       moe::cuda::k::Rope rope;
       rope.theta_scale = theta_scale;
-      for (int n_split : {1, 5, 64}) {
-        SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " n_split " << n_split);
+      for (int n_split : {1, 5, 64})
+      for (bool table : {false, true}) {  // angles per block, or the position's rope_table
+        SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " n_split " << n_split << " table "
+                                          << table);
         Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(static_cast<size_t>(n_kv) * n_split * G * (hd + 2));
         Dev<uint16_t> dk(hk), dv(hv);
         Dev<int32_t> dpos(std::vector<int32_t>{past});
         Dev<int> counters(std::vector<int>(n_kv, 0));
+        Dev<float> cs(std::vector<float>(hd, -7.f));
+        if (table) ok(k::rope_table(dpos.p, rope, hd, cs.p, nullptr));
         ok(k::attention_decode(dqkv.p, dpos.p, dqn.p, dkn.p, eps, rope, dk.p, dv.p, n_head, n_kv, hd, n_split,
-                               partials.p, counters.p, out.p, nullptr));
+                               partials.p, counters.p, out.p, table ? cs.p : nullptr, nullptr));
         ok(cudaDeviceSynchronize());
         std::vector<float> o = out.get();
         for (int h = 0; h < n_head; ++h) {

@@ -55,7 +55,7 @@ std::vector<int32_t> prompt(int n, int64_t vocab, uint64_t seed) {
   return ids;
 }
 
-void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx) {
+void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx, const char* decode_path = nullptr) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   moe::quant::ThreadPool pool(static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
@@ -71,6 +71,7 @@ void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx)
   auto gpu = moe::cuda::make_forward(m, go, &info);
   EXPECT_FALSE(info.name.empty());
   EXPECT_GT(info.vram_used_mib, 0u);
+  if (decode_path) ASSERT_EQ(info.decode_path, decode_path);
   const int64_t V = gpu->n_vocab();
   ASSERT_EQ(V, cpu->n_vocab());
 
@@ -135,18 +136,80 @@ TEST(CudaModel, TinyQ4_K_MMatchesCpuExact) {
   compare_with_cpu(fixture("tiny-qwen3moe-q4_k_m"), 77, 24, 256);
 }
 
+// A moe-synth model of the Qwen3-30B-A3B layer geometry with `layers` layers, written into dir (null
+// and a test failure when moe-synth fails).
+Model synth_qwen3(const fs::path& dir, int layers) {
+  fs::create_directories(dir);
+  const fs::path file = dir / "synth.gguf";
+  const std::string cmd = std::string(MOE_BIN_DIR) + "/moe-synth -o " + file.string() +
+                          " --preset qwen3-30b-a3b --layers " + std::to_string(layers) + " --type q4_k_m --vocab " +
+                          MOE_TEST_DATA + "/ggml-vocab-qwen2.gguf --threads 8 > /dev/null";
+  if (std::system(cmd.c_str()) != 0) {
+    ADD_FAILURE() << cmd;
+    return nullptr;
+  }
+  return moe::model::OwnedQuantizedModel::open(file.string());
+}
+
 // Full Qwen3-30B-A3B layer geometry (2048 wide, 32/4 heads of 128, 128 experts, 8 used, 768 expert
 // FFN, the full vocabulary), two layers so the CPU reference stays quick.
 TEST(CudaModel, SynthQwen3GeometryMatchesCpuExact) {
   REQUIRE_GPU();
   const fs::path dir = fs::temp_directory_path() / ("moe-cuda-test-" + std::to_string(getpid()));
-  fs::create_directories(dir);
-  const fs::path file = dir / "synth.gguf";
-  const std::string cmd = std::string(MOE_BIN_DIR) + "/moe-synth -o " + file.string() +
-                          " --preset qwen3-30b-a3b --layers 2 --type q4_k_m --vocab " + MOE_TEST_DATA +
-                          "/ggml-vocab-qwen2.gguf --threads 8 > /dev/null";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  compare_with_cpu(moe::model::OwnedQuantizedModel::open(file.string()), 70, 16, 512);
+  const Model m = synth_qwen3(dir, 2);
+  ASSERT_TRUE(m);
+  {
+    SCOPED_TRACE("default decode: kernel graph");
+    compare_with_cpu(m, 70, 16, 512, "kernel graph");
+  }
+  {
+    SCOPED_TRACE("MOE_CUDA_PERSIST=1");
+    setenv("MOE_CUDA_PERSIST", "1", 1);
+    compare_with_cpu(m, 70, 16, 512, "persistent kernel");
+    unsetenv("MOE_CUDA_PERSIST");
+  }
+  fs::remove_all(dir);
+}
+
+// The persistent decode kernel against the per-kernel decode graph on the same model and tokens:
+// the same arithmetic in other launches, so the logits agree to rounding at every step (a longer run
+// than compare_with_cpu's, with contexts past one attention slice).
+TEST(CudaModel, PersistentDecodeMatchesKernelGraph) {
+  REQUIRE_GPU();
+  const fs::path dir = fs::temp_directory_path() / ("moe-cuda-test-p" + std::to_string(getpid()));
+  const Model m = synth_qwen3(dir, 3);
+  ASSERT_TRUE(m);
+  moe::cuda::Options go;
+  go.n_ctx = 1024;
+  moe::cuda::DeviceInfo ip, ig;
+  setenv("MOE_CUDA_PERSIST", "1", 1);
+  auto per = moe::cuda::make_forward(m, go, &ip);
+  unsetenv("MOE_CUDA_PERSIST");
+  auto graph = moe::cuda::make_forward(m, go, &ig);
+  ASSERT_EQ(ip.decode_path, "persistent kernel");
+  ASSERT_EQ(ig.decode_path, "kernel graph");
+  const int64_t V = per->n_vocab();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const std::vector<int32_t> ids = prompt(150, V, seed);
+  std::vector<float> a, b;
+  per->eval(ids, false, a);
+  graph->eval(ids, false, b);
+  int32_t tok = argmax(a.data(), V);
+  double min_cos = 1;
+  for (int s = 0; s < 200; ++s) {  // positions 150 .. 349: 3 to 6 slices of 64
+    per->eval(std::span<const int32_t>(&tok, 1), false, a);
+    graph->eval(std::span<const int32_t>(&tok, 1), false, b);
+    const double c = cosine(a.data(), b.data(), V);
+    min_cos = std::min(min_cos, c);
+    ASSERT_GE(c, 0.99999) << "decode step " << s;
+    tok = argmax(b.data(), V);  // both continue with the same token
+  }
+  std::printf("[          ] persistent vs graph, 200 decode steps: min cosine %.8f\n", min_cos);
+  // greedy through the persistent graph equals the argmax of its logits
+  const int32_t g = per->eval_greedy(tok);
+  graph->eval(std::span<const int32_t>(&tok, 1), false, b);
+  if (top2_gap(b.data(), V) > 1e-3) EXPECT_EQ(g, argmax(b.data(), V));
   fs::remove_all(dir);
 }
 

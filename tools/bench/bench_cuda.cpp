@@ -331,8 +331,9 @@ Loaded* loaded() {
   o.n_ctx = 8192;
   moe::cuda::DeviceInfo info;
   l->fwd = moe::cuda::make_forward(l->model, o, &info);
-  std::fprintf(stderr, "model %s on %s: %lu MiB VRAM, resident in %.0f ms\n", path, info.name.c_str(),
-               static_cast<unsigned long>(info.vram_used_mib), info.upload_ms);
+  std::fprintf(stderr, "model %s on %s: %lu MiB VRAM, resident in %.0f ms, decode by the %s\n", path,
+               info.name.c_str(), static_cast<unsigned long>(info.vram_used_mib), info.upload_ms,
+               info.decode_path.c_str());
   const auto& c = l->model->config;
   double b = static_cast<double>(l->model->output.info->nbytes);
   for (const auto& L : l->model->layers) {
@@ -398,6 +399,7 @@ void BM_DecodeTrace(benchmark::State& st) {
   k::trace_attach_gemv_tc(buf, count);
   k::trace_attach_gemv(buf, count);
   k::trace_attach_attention(buf, count);
+  k::trace_attach_decode_persist(buf, count);
   l->fwd->reset();
   int32_t tok = 1000;
   for (auto _ : st) {
@@ -415,6 +417,7 @@ void BM_DecodeTrace(benchmark::State& st) {
   k::trace_attach_gemv_tc(nullptr, nullptr);
   k::trace_attach_gemv(nullptr, nullptr);
   k::trace_attach_attention(nullptr, nullptr);
+  k::trace_attach_decode_persist(nullptr, nullptr);
   cudaFree(buf);
   cudaFree(count);
   if (FILE* f = std::fopen(out, "w")) {

@@ -12,7 +12,8 @@ for r in rows:
         inst[-1][1].append(r); inst[-1][2] = max(inst[-1][2], r[10])
     else:
         inst.append([r[0], [r], r[10]])
-names = {1: 'gemv', 2: 'gate_up', 3: 'down', 4: 'attn', 5: 'route'}
+names = {1: 'gemv', 2: 'gate_up', 3: 'down', 4: 'attn', 5: 'route', 9: 'P-attn', 10: 'P-gate_up', 11: 'P-qkv',
+         12: 'P-o_proj', 13: 'P-route', 14: 'P-down'}  # P-: phases of the persistent kernel
 agg = {}
 prev_end = None
 tok_start = inst[0][1][0][3]
