@@ -33,6 +33,9 @@ static __device__ __noinline__ void rope_cos_sin(int i, int pos, const Rope& rop
 constexpr int kAttnWarps = 4;
 constexpr int kMaxSplit = 64;
 constexpr int kMinChunk = 64;
+// Decode slices are at least kDecMinChunk positions: one round of a block's loads (8 warps x 4
+// positions) at short contexts.
+constexpr int kDecMinChunk = 32;
 
 template <int D>
 __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
@@ -193,7 +196,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   MOE_TRACE_MARK(1);
   const int len = pos + 1;
   int chunk = (len + n_split - 1) / n_split;
-  if (n_split > 1 && chunk < kMinChunk) chunk = kMinChunk;
+  if (n_split > 1 && chunk < kDecMinChunk) chunk = kDecMinChunk;
   const int n_eff = (len + chunk - 1) / chunk;
   if (sp >= n_eff) return;  // uniform over the block
   float* qs = sm;                   // [G][HD], scaled by 1/sqrt(HD)
