@@ -182,6 +182,7 @@ __device__ void norm_rope_warp(const float* in, const float* gain, const float* 
 // dec_smem_floats(G, HD) floats.
 constexpr int kDecWarps = 8;
 constexpr int dec_smem_floats(int G, int HD) { return G * HD + 3 * HD + 2 * kDecWarps * G + kDecWarps * G * HD; }
+static_assert(kDecWarps * 16 >= 2 * kMaxSplit, "the merge's m and L fit in wacc for head_dim >= 16");
 
 template <int D, int G>
 __device__ __forceinline__ void attention_decode_item(int g, int sp, const float* qkv, const int32_t* pos0,
@@ -284,10 +285,16 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   if (!last) return;
   if (threadIdx.x == 0) counters[g] = 0;
   __threadfence();
-  // merge: out = Σ_s A_s exp(m_s - M) / Σ_s L_s exp(m_s - M)
-  float* fw = wacc;  // reuse: [n_eff][G] exp(m_s - M)
-  float* fM = wm;    // [G] M, then 1 / L
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i] = __ldcg(part_base + i * PS + HD);
+  // merge: out = Σ_s A_s exp(m_s - M) / Σ_s L_s exp(m_s - M). The slices' m and L go to shared memory
+  // in one parallel pass, and each output's n_eff loads are unrolled: at long contexts (64 slices of
+  // 8 heads) one block reads ~270 KB here, which serial load chains made the slowest step.
+  float* fw = wacc;                  // reuse: [n_eff][G] m_s, then exp(m_s - M)
+  float* fl = fw + kMaxSplit * G;    // [n_eff][G] L_s
+  float* fM = wm;                    // [G] M
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
+    fw[i] = __ldcg(part_base + i * PS + HD);
+    fl[i] = __ldcg(part_base + i * PS + HD + 1);
+  }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < G) {
     const int h = threadIdx.x;
@@ -301,15 +308,24 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   if (static_cast<int>(threadIdx.x) < G) {
     const int h = threadIdx.x;
     float Ls = 0.f;
-    for (int s = 0; s < n_eff; ++s) Ls = fmaf(__ldcg(part_base + (s * G + h) * PS + HD + 1), fw[s * G + h], Ls);
+    for (int s = 0; s < n_eff; ++s) Ls = fmaf(fl[s * G + h], fw[s * G + h], Ls);
     wl[h] = 1.f / Ls;
   }
   __syncthreads();
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int h = i / HD, d = i % HD;
-    float A = 0.f;
-    for (int s = 0; s < n_eff; ++s) A = fmaf(__ldcg(part_base + (s * G + h) * PS + d), fw[s * G + h], A);
-    out[i] = A * wl[h];
+    const float* p = part_base + h * PS + d;  // slice s at p + s * G * PS
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains; with the unroll, 16 slices' loads in flight
+    int s = 0;
+#pragma unroll 4
+    for (; s + 4 <= n_eff; s += 4) {
+      a0 = fmaf(__ldcg(p + (s + 0) * G * PS), fw[(s + 0) * G + h], a0);
+      a1 = fmaf(__ldcg(p + (s + 1) * G * PS), fw[(s + 1) * G + h], a1);
+      a2 = fmaf(__ldcg(p + (s + 2) * G * PS), fw[(s + 2) * G + h], a2);
+      a3 = fmaf(__ldcg(p + (s + 3) * G * PS), fw[(s + 3) * G + h], a3);
+    }
+    for (; s < n_eff; ++s) a0 = fmaf(__ldcg(p + s * G * PS), fw[s * G + h], a0);
+    out[i] = ((a0 + a1) + (a2 + a3)) * wl[h];
   }
   __syncthreads();
 }
