@@ -79,8 +79,7 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target, 
 
 // ---- dense GEMV phases -----------------------------------------------------------------------------------
 // Up to three matrices sharing x, cut into 16-row tiles numbered across the matrices.
-// (Scalar fields and selects, no arrays: an indexed array would live in local memory, and with most of
-// the SM's L1 given to shared memory every local access would go to L2.)
+// (Scalar fields and selects, no arrays: an indexed array would live in local memory.)
 struct Dense {
   const Mat *W0, *W1, *W2;
   float *y0, *y1, *y2;
@@ -396,8 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
   float* kk = a.qkv + Q;
   float* v = a.qkv + Q + KV;
   auto qkv_of = [&](const PersistLayer& L) { return dense(&L.q, q, &L.k, kk, &L.v, v); };
-  // the layer table entries live in shared memory: their fields are read all through a phase, and
-  // global loads after each barrier's acquire fence would cost an L2 round trip each
+  // the layer table entries live in shared memory: their fields are read all through each phase
   __shared__ PersistLayer s_layer[2];
   auto load_layer = [&](int l) {
     constexpr int kWords = sizeof(PersistLayer) / 4;
