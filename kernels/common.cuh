@@ -43,6 +43,26 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) 
 #endif
 }
 
+// Asynchronous 16-byte copies global -> shared (sm_80+, L2 only). The zero-filling form writes 16
+// zero bytes instead when ok is false (src is then not read). Groups: commit, then wait until at most
+// N groups are still in flight.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Activations live in shared memory as groups of 32 floats (8 float4 chunks). Chunk c of group g is
 // stored at float4 index 8g + (c ^ (g & 7)): lanes of a warp read different groups at once, and
 // without the xor 8 of them would hit the same 16-byte bank.

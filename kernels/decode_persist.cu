@@ -140,23 +140,13 @@ __host__ __device__ __forceinline__ int sm_stride(uint32_t type, int cols) {
   const int rb = static_cast<int>(cols / 256) * (type == layout::Q4_K ? 144 : type == layout::Q5_K ? 176 : 224);
   return ((rb >> 2) & 7) == 0 ? rb + 16 : rb;
 }
-__device__ __forceinline__ void cp16(uint8_t* dst, const uint8_t* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 // Rows r0 .. r0 + 15 (clamped to rows - 1) of a matrix whose rows start at base, rs bytes apart.
 __device__ __forceinline__ void copy_rows16(uint8_t* dst, int ds, const uint8_t* base, int64_t rs, int r0, int rows,
                                             int row_bytes) {
   const int chunks = row_bytes >> 4;
   for (int i = threadIdx.x; i < 16 * chunks; i += blockDim.x) {
     const int r = i / chunks, c = i - r * chunks;
-    cp16(dst + r * ds + c * 16, base + min(r0 + r, rows - 1) * rs + c * 16);
+    cp_async16(dst + r * ds + c * 16, base + min(r0 + r, rows - 1) * rs + c * 16);
   }
 }
 
@@ -174,7 +164,7 @@ __device__ __forceinline__ void copy_dense(const Dense& d, uint8_t* buf) {
     copy_rows16(buf + off, sm_stride(W.type, W.cols), W.data, W.row_stride, r0, W.rows, tc_row_bytes(W.type, W.cols));
     off += dense_tile_bytes(W);
   }
-  cp_commit();
+  cp_async_commit();
 }
 
 // One 16-row tile in shared memory: n_seg segments of 16 rows (segment s, row i at tile + (16 s + i) ds)
@@ -297,7 +287,7 @@ __device__ __forceinline__ void copy_gate_up(const Mat& G, const Mat& U, const i
                 tc_row_bytes(U.type, U.cols));
     dst += gate_up_tile_bytes(G, U);
   }
-  cp_commit();
+  cp_async_commit();
 }
 // Each down tile: n_used experts' 16 rows.
 __device__ __forceinline__ void copy_down(const Mat& D, const int32_t* sid, int n_used, uint8_t* buf) {
@@ -306,7 +296,7 @@ __device__ __forceinline__ void copy_down(const Mat& D, const int32_t* sid, int 
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x)
     for (int j = 0; j < n_used; ++j, dst += 16 * ds)
       copy_rows16(dst, ds, D.data + sid[j] * D.expert_stride, D.row_stride, tile * 16, D.rows, rb);
-  cp_commit();
+  cp_async_commit();
 }
 // act[j][r] = silu(G_e.row(r)·h) * (U_e.row(r)·h), e = sid[j]; a tile's warps split into gate and up halves.
 __device__ __forceinline__ void gate_up_phase(const Mat& G, const Mat& U, int n_used, const uint8_t* buf,
@@ -416,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
       MOE_TRACE_SCOPE(11);
       XLoad<2> xl;
       stage_load<2>(a.x, E, L.attn_norm, xl);
-      cp_wait<0>();
+      cp_async_wait<0>();
       MOE_TRACE_MARK(1);
       stage_x(a.x, E, L.attn_norm, a.eps, xl, X, red);
       MOE_TRACE_MARK(2);
@@ -445,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
       MOE_TRACE_SCOPE(12);
       XLoad<2> xl;
       stage_load<2>(a.o, Q, nullptr, xl);
-      cp_wait<0>();
+      cp_async_wait<0>();
       MOE_TRACE_MARK(1);
       stage_x(a.o, Q, nullptr, 0.f, xl, X, red);
       MOE_TRACE_MARK(2);
@@ -472,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
       MOE_TRACE_MARK(2);
       XLoad<2> xl;
       stage_load<2>(a.x, E, L.ffn_norm, xl);
-      cp_wait<1>();  // gate/up landed (down may still be in flight)
+      cp_async_wait<1>();  // gate/up landed (down may still be in flight)
       MOE_TRACE_MARK(3);
       stage_x(a.x, E, L.ffn_norm, a.eps, xl, X, red);
       MOE_TRACE_MARK(4);
@@ -488,9 +478,9 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
       const bool early = has_next && a.early_qkv;
       if (early) {
         copy_dense(qkv_of(N), Wb);
-        cp_wait<1>();
+        cp_async_wait<1>();
       } else {
-        cp_wait<0>();
+        cp_async_wait<0>();
       }
       MOE_TRACE_MARK(1);
       stage_x(a.act, n, nullptr, 0.f, xl, X, red);

@@ -109,9 +109,14 @@ cudaError_t noop(int blocks, int threads, cudaStream_t s);
 // ---- the persistent decode kernel (decode_persist.cu) ---------------------------------------------------
 // Every layer of one decode token in one cooperative launch (grid barriers between the phases; weight
 // rows sent to L2 ahead of their phase). The layer table lives in device memory.
-struct PersistLayer {
+// One layer's weights on the device (also the host forward's layer table, src/cuda/forward.cpp).
+struct LayerWeights {
   Mat q, k, v, o, router, gate, up, down;
   const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+};
+// A layer table entry: the weights and the layer's KV cache (trivially copyable: the kernel copies
+// entries to shared memory word by word).
+struct PersistLayer : LayerWeights {
   void *k_cache = nullptr, *v_cache = nullptr;
 };
 struct PersistArgs {

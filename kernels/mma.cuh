@@ -1,4 +1,4 @@
-// Tensor-core helpers for the prefill GEMMs (gemm.cu).
+// Tensor-core helpers for the prefill GEMMs (gemm_float.cu, gemm_kq.cu) and the prefill attention.
 //
 // 1. fp32 operands split into tf32 hi/lo pairs and the warp-level mma.sync m16n8k8 tf32 product
 //    (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32). Fragment ownership, with g = lane >> 2 and
@@ -257,7 +257,7 @@ MOE_HD void kq_scales(uint32_t w1, uint32_t w2, uint32_t w3, uint32_t (&sc)[2], 
 MOE_HD uint32_t byte_u(uint32_t w, int b) { return (w >> (8 * b)) & 0xFFu; }
 MOE_HD int byte_s(uint32_t w, int b) { return static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * b))); }
 
-// ---- shared-memory layout of one stage's activations (gemm.cu) ---------------------------------
+// ---- shared-memory layout of one stage's activations (gemm_kq.cu) ------------------------------
 // Digits a and b: token n, slice j, lane t at uint4 {Xa b0, Xa b1, Xb b0, Xb b1} index
 // n * 32 + 4 (j ^ (n & 1)) + t. A warp's 128-bit loads read tokens g = 0..7 in pairs; flipping the
 // slice of odd tokens puts the pair in different halves of the banks (a row of 512 bytes would

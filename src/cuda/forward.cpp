@@ -27,10 +27,7 @@ constexpr uint64_t kReserveBytes = 512ull << 20;  // CUDA context, graphs, fragm
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-struct DevLayer {
-  k::Mat q, k, v, o, router, gate, up, down;
-  const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-};
+using DevLayer = k::LayerWeights;  // one layer's weights in the device arena
 
 // Where each weight goes in the one device arena.
 struct WeightPlan {
@@ -482,15 +479,7 @@ class CudaForward final : public Forward {
     use_persist_ = false;
     if (!k::persist_enabled()) return;
     std::vector<k::PersistLayer> t;
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const DevLayer& L = layers_[l];
-      k::PersistLayer p;
-      p.q = L.q; p.k = L.k; p.v = L.v; p.o = L.o; p.router = L.router; p.gate = L.gate; p.up = L.up; p.down = L.down;
-      p.attn_norm = L.attn_norm; p.ffn_norm = L.ffn_norm; p.q_norm = L.q_norm; p.k_norm = L.k_norm;
-      p.k_cache = k_cache(l);
-      p.v_cache = v_cache(l);
-      t.push_back(p);
-    }
+    for (size_t l = 0; l < layers_.size(); ++l) t.push_back({layers_[l], k_cache(l), v_cache(l)});
     k::PersistArgs& a = persist_;
     a.n_layers = static_cast<int>(t.size());
     a.x = x_; a.qkv = qkv_; a.o = o_; a.logits = route_logits_; a.act = act_; a.partials = partials_;

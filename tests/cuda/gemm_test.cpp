@@ -1,4 +1,4 @@
-// The integer prefill GEMM (kernels/gemm.cu, igemm_kernel) for Q4_K, Q5_K and Q6_K.
+// The integer prefill GEMM (kernels/gemm_kq.cu, igemm_kernel) for Q4_K, Q5_K and Q6_K.
 //
 // GemmEmulation: a CPU model of one warp, run without a GPU. The per-lane helpers of kernels/mma.cuh
 // (activation scales and digits, code extraction, the magic-constant conversions, the shared-memory
