@@ -1,7 +1,9 @@
-// Per-head Q/K RMSNorm + NEOX RoPE + fp16 KV store, and causal GQA attention over the fp16 cache,
-// split over the context (flash-decoding): each block runs an online softmax over its slice for the
-// query heads of one KV head, and the last block of a (token, kv head) merges the slices.
+// Per-head Q/K RMSNorm + NEOX RoPE + fp16 KV store; causal GQA attention over the fp16 cache for a
+// prefill (tensor cores, flash-attention style) and for one decode token (split over the context:
+// each block runs an online softmax over its slice for the query heads of one KV head, and the last
+// block of the KV head merges the slices; the item itself is in attention.cuh).
 #include "attention.cuh"
+#include "mma.cuh"
 
 namespace moe::cuda::k {
 using namespace dev;
@@ -45,125 +47,219 @@ __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const
   }
 }
 
-// grid (n_head_kv, n_split, n_tok), kAttnWarps warps. D = head_dim / 32 dims per lane, G query heads per kv head.
-template <int D, int G>
-__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const float* __restrict__ qkv, int qkv_stride,
-                                                                    const int32_t* pos0, const __half* __restrict__ kc,
-                                                                    const __half* __restrict__ vc, int n_head_kv,
-                                                                    int n_split, float* partials, int* counters,
-                                                                    float* out) {
-  constexpr int HD = D * 32;
-  constexpr int PS = HD + 2;  // one partial: acc[HD], m, l
-  __shared__ float qs[G][HD];
-  __shared__ float wm[kAttnWarps][G], wl[kAttnWarps][G];
-  __shared__ float wacc[kAttnWarps][G][HD];
-  __shared__ bool last;
-  pdl_sync();
-  const int g = blockIdx.x, split = blockIdx.y, t = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n_head = n_head_kv * G;
-  const int kv_dim = n_head_kv * HD;
-  const int pos = pos0[0] + t;
-  const int len = pos + 1;
-  // Slices of at least kMinChunk positions: short contexts use fewer slices (often one, which then
-  // writes the output itself) and the merge reads only the slices that ran.
-  int chunk = (len + n_split - 1) / n_split;
-  if (n_split > 1 && chunk < kMinChunk) chunk = kMinChunk;
-  const int n_eff = (len + chunk - 1) / chunk;
-  const int64_t out_row = static_cast<int64_t>(t) * n_head * HD + g * G * HD;
-  float* part_base = partials + (static_cast<int64_t>(t) * n_head_kv + g) * n_split * G * PS;
-  if (split >= n_eff) return;  // a slice past the context: only the n_eff slices that run are counted
-  {
-    const int c0 = split * chunk;
-    const int c1 = min(len, c0 + chunk);
-    const float scale = rsqrtf(static_cast<float>(HD));
-    const float* qrow = qkv + static_cast<int64_t>(t) * qkv_stride + g * G * HD;
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) qs[i / HD][i % HD] = qrow[i] * scale;
-    __syncthreads();
+// ---- prefill: causal GQA attention on the tensor cores (flash-attention style) ----------------------
+// A block takes one KV head and TQ = 64 / G consecutive tokens: its 64 query rows (row R = token
+// R / G, head R % G of the group; 16 per warp) share every K/V tile. Tiles of 64 cache positions
+// go to shared memory by cp.async (two stages); S = Q K^T and O += P V run on mma.sync m16n8k16
+// (f16 x f16 -> f32) with an online softmax in between. Precision: K and V are the fp16 cache
+// values (exact operands); Q (fp32, times 1/sqrt(head_dim) and log2 e) and P (fp32 in [0, 1]) are
+// each split into an fp16 pair hi + lo, so both products are exact to ~2^-22 before the fp32
+// accumulation (one fp16 operand would leave ~1e-3 relative errors in the logits and weights).
+constexpr int kFlashWarps = 4;
+constexpr int kFlashRows = 16 * kFlashWarps;  // query rows per block
+constexpr int kFlashKeys = 64;                // cache positions per tile
 
-    float m[G], l[G], acc[G][D], q[G][D];
-    softmax_start<D, G>(&qs[0][0], HD, m, l, acc, q);
-    attend_range<D, G, kAttnWarps>(q, kc, vc, kv_dim, g * HD + lane * D, c0 + warp, c1, -1, nullptr, nullptr, m, l,
-                                   acc);
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      if (lane == 0) {
-        wm[warp][h] = m[h];
-        wl[warp][h] = l[h];
-      }
-#pragma unroll
-      for (int d = 0; d < D; ++d) wacc[warp][h][lane * D + d] = acc[h][d];
+__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// hi = fp16(a, b); lo = fp16 of what hi leaves out.
+__device__ __forceinline__ void split_h2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(a, b);
+  const float2 r = __half22float2(h);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = pack_h2(a - r.x, b - r.y);
+}
+// d += A (16 x 16 f16, row-major) B (16 x 8 f16, column-major), fp32 accumulators.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+template <int HD>
+struct FlashShape {
+  static constexpr int PITCH = HD + 8;  // halves per smem row: 8 ldmatrix rows hit 8 different 16-byte bank groups
+  static constexpr int TILE = kFlashKeys * PITCH;  // halves of one K or V tile
+  static constexpr size_t SMEM = 2 * 2 * TILE * sizeof(__half);  // K and V, two stages
+};
+
+// grid (ceil(n / (64 / G)), n_head_kv), kFlashWarps warps.
+template <int HD, int G>
+__global__ void __launch_bounds__(kFlashWarps * 32) flash_attention_kernel(const float* __restrict__ qkv, int qkv_stride,
+                                                                           int n, const int32_t* pos0,
+                                                                           const __half* __restrict__ kc,
+                                                                           const __half* __restrict__ vc, int n_head_kv,
+                                                                           float* __restrict__ out) {
+  using S = FlashShape<HD>;
+  constexpr int TQ = kFlashRows / G;  // tokens per block
+  constexpr int KS = HD / 16;         // k-steps of Q K^T
+  constexpr int CH = HD / 8;          // 16-byte chunks per cache row
+  extern __shared__ __align__(16) __half fsm[];
+  pdl_sync();
+  const int g = blockIdx.y, t0 = blockIdx.x * TQ;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gr = lane >> 2, tc = lane & 3;
+  const int p0 = pos0[0];
+  const int kv_dim = n_head_kv * HD;
+  const int kv_end = p0 + min(t0 + TQ, n);  // cache positions [0, kv_end) are read
+  const int n_tiles = (kv_end + kFlashKeys - 1) / kFlashKeys;
+
+  auto load_tile = [&](int j, int stage) {
+    __half* sk = fsm + stage * 2 * S::TILE;
+    __half* sv = sk + S::TILE;
+    for (int i = threadIdx.x; i < kFlashKeys * CH; i += kFlashWarps * 32) {
+      const int r = i / CH, c = i - r * CH;
+      const int p = j * kFlashKeys + r;
+      const bool ok = p < kv_end;  // rows past the context are zeros (never NaN garbage times p = 0)
+      const int64_t off = static_cast<int64_t>(ok ? p : 0) * kv_dim + g * HD + c * 8;
+      cp_async16_zfill(sk + r * S::PITCH + c * 8, kc + off, ok);
+      cp_async16_zfill(sv + r * S::PITCH + c * 8, vc + off, ok);
     }
-    __syncthreads();
-    // merge the warps: thread handles (head, dim) pairs
-    float* part = part_base + split * G * PS;
-    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-      const int h = i / HD, d = i % HD;
-      float M = -INFINITY;
-      for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, wm[w][h]);
-      float L = 0.f, A = 0.f;
-      for (int w = 0; w < kAttnWarps; ++w) {
-        if (wm[w][h] == -INFINITY) continue;
-        const float f = expf(wm[w][h] - M);
-        L += wl[w][h] * f;
-        A += wacc[w][h][d] * f;
-      }
-      if (n_eff == 1) {
-        out[out_row + i] = A / L;
-      } else {
-        part[h * PS + d] = A;
-        if (d == 0) {
-          part[h * PS + HD] = M;
-          part[h * PS + HD + 1] = L;
+    cp_async_commit();
+  };
+  load_tile(0, 0);
+
+  // this thread's two rows (gr and gr + 8 of the warp's 16): token and head
+  int tok[2], head[2], lim[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int R = warp * 16 + gr + 8 * i;
+    tok[i] = t0 + R / G;
+    head[i] = g * G + R % G;
+    lim[i] = p0 + min(tok[i], n - 1);  // last visible position (rows past n mirror the last token, unwritten)
+  }
+  // Q fragments, scaled, split into fp16 hi + lo
+  uint32_t qh[KS][4], ql[KS][4];
+  {
+    const float sc = rsqrtf(static_cast<float>(HD)) * 1.4426950408889634f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float* q = qkv + static_cast<int64_t>(min(tok[i], n - 1)) * qkv_stride + head[i] * HD;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const float2 v = *reinterpret_cast<const float2*>(q + kk * 16 + hf * 8 + 2 * tc);
+          split_h2(v.x * sc, v.y * sc, qh[kk][i + 2 * hf], ql[kk][i + 2 * hf]);
         }
       }
     }
   }
-  if (n_eff == 1) return;  // the only slice wrote the output itself
-  __threadfence();
-  __syncthreads();
-  int* counter = counters + t * n_head_kv + g;
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == n_eff - 1;
-  __syncthreads();
-  if (!last) return;
-  if (threadIdx.x == 0) *counter = 0;
-  __threadfence();
-  // weight of slice s for head h: exp(m_s - M) / L, computed once per (slice, head)
-  __shared__ float fw[kMaxSplit][G];
-  __shared__ float fM[G];
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i / G][i % G] = __ldcg(part_base + i * PS + HD);
-  __syncthreads();
-  if (threadIdx.x < G) {
-    const int h = threadIdx.x;
-    float M = -INFINITY;
-    for (int sp = 0; sp < n_eff; ++sp) M = fmaxf(M, fw[sp][h]);
-    fM[h] = M;
+  float o[HD / 8][4];
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  // the warp's smallest and largest limits (warp-uniform: mma.sync needs every lane)
+  const int first_lim = p0 + min(t0 + (warp * 16) / G, n - 1);
+  const int last_lim = p0 + min(t0 + (warp * 16 + 15) / G, n - 1);
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) {
+      load_tile(j + 1, (j + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const __half* sk = fsm + (j & 1) * 2 * S::TILE;
+    const __half* sv = sk + S::TILE;
+    const int key0 = j * kFlashKeys;
+    if (key0 <= last_lim) {  // a tile past all of the warp's rows is skipped
+      float s[kFlashKeys / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < kFlashKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kFlashKeys / 16; ++np) {
+          uint32_t b[4];
+          const int key = np * 16 + (lane & 7) + 8 * (lane >> 4);
+          dev::i8::ldsm_x4(b, sk + key * S::PITCH + kk * 16 + 8 * ((lane >> 3) & 1));
+          mma_f16(s[2 * np], qh[kk], b[0], b[1]);
+          mma_f16(s[2 * np], ql[kk], b[0], b[1]);
+          mma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
+          mma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
+        }
+      }
+      // causal mask (only tiles that reach past the warp's first row need it)
+      if (key0 + kFlashKeys - 1 > first_lim) {
+#pragma unroll
+        for (int nt = 0; nt < kFlashKeys / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (key0 + nt * 8 + 2 * tc + (e & 1) > lim[e >> 1]) s[nt][e] = -INFINITY;
+      }
+      // online softmax (base 2: Q carries log2 e)
+      float alpha[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = m[i];
+#pragma unroll
+        for (int nt = 0; nt < kFlashKeys / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        alpha[i] = exp2f(m[i] - mx);  // m = -inf at the first tile: 0 (mx is finite: position 0 is always visible)
+        m[i] = mx;
+        l[i] *= alpha[i];
+      }
+#pragma unroll
+      for (int d = 0; d < HD / 8; ++d) {
+        o[d][0] *= alpha[0];
+        o[d][1] *= alpha[0];
+        o[d][2] *= alpha[1];
+        o[d][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int nt = 0; nt < kFlashKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] = exp2f(s[nt][e] - m[e >> 1]);
+          l[e >> 1] += s[nt][e];
+        }
+      // O += P V, P split into fp16 hi + lo A fragments (the S accumulators of two key octets)
+#pragma unroll
+      for (int ks = 0; ks < kFlashKeys / 16; ++ks) {
+        uint32_t ph[4], pl[4];
+        split_h2(s[2 * ks][0], s[2 * ks][1], ph[0], pl[0]);
+        split_h2(s[2 * ks][2], s[2 * ks][3], ph[1], pl[1]);
+        split_h2(s[2 * ks + 1][0], s[2 * ks + 1][1], ph[2], pl[2]);
+        split_h2(s[2 * ks + 1][2], s[2 * ks + 1][3], ph[3], pl[3]);
+#pragma unroll
+        for (int dp = 0; dp < HD / 16; ++dp) {
+          uint32_t b[4];
+          const int key = ks * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+          ldsm_x4_trans(b, sv + key * S::PITCH + dp * 16 + 8 * (lane >> 4));
+          mma_f16(o[2 * dp], ph, b[0], b[1]);
+          mma_f16(o[2 * dp], pl, b[0], b[1]);
+          mma_f16(o[2 * dp + 1], ph, b[2], b[3]);
+          mma_f16(o[2 * dp + 1], pl, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the stage is refilled by the next iteration's load
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
-    const int sp = i / G, h = i % G;
-    fw[sp][h] = __ldcg(part_base + i * PS + HD + 1) * expf(fw[sp][h] - fM[h]);  // l_s * exp(m_s - M)
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
-  __syncthreads();
-  if (threadIdx.x < G) {
-    const int h = threadIdx.x;
-    float L = 0.f;
-    for (int sp = 0; sp < n_eff; ++sp) L += fw[sp][h];
-    fM[h] = 1.f / L;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
-    const int sp = i / G, h = i % G;
-    const float lsp = __ldcg(part_base + i * PS + HD + 1);
-    fw[sp][h] = lsp > 0.f ? fw[sp][h] / lsp * fM[h] : 0.f;  // exp(m_s - M) / L
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-    const int h = i / HD, d = i % HD;
-    float A = 0.f;
-#pragma unroll 4
-    for (int sp = 0; sp < n_eff; ++sp) A = fmaf(__ldcg(part_base + (sp * G + h) * PS + d), fw[sp][h], A);
-    out[out_row + i] = A;
+  const int n_head = n_head_kv * G;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (tok[i] >= n) continue;
+    const float inv = 1.f / l[i];
+    float* orow = out + static_cast<int64_t>(tok[i]) * n_head * HD + head[i] * HD;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d)
+      *reinterpret_cast<float2*>(orow + d * 8 + 2 * tc) = make_float2(o[d][2 * i] * inv, o[d][2 * i + 1] * inv);
   }
 }
 
@@ -190,25 +286,27 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
                               partials, counters, out_all, rope_cs, sm);
 }
 
-template <int D, int G>
-cudaError_t launch_attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* kc,
-                             const void* vc, int n_head_kv, int n_split, float* partials, int* counters, float* out,
-                             cudaStream_t s) {
-  dim3 grid(n_head_kv, n_split, n);
-  return launch_pdl(attention_kernel<D, G>, grid, dim3(kAttnWarps * 32), 0, s, qkv, qkv_stride, pos0,
-                    static_cast<const __half*>(kc), static_cast<const __half*>(vc), n_head_kv, n_split, partials,
-                    counters, out);
+template <int HD, int G>
+cudaError_t launch_flash(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* kc, const void* vc,
+                         int n_head_kv, float* out, cudaStream_t s) {
+  using S = FlashShape<HD>;
+  static const cudaError_t attr = cudaFuncSetAttribute(flash_attention_kernel<HD, G>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(S::SMEM));
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((n + kFlashRows / G - 1) / (kFlashRows / G), n_head_kv);
+  return launch_pdl(flash_attention_kernel<HD, G>, grid, dim3(kFlashWarps * 32), S::SMEM, s, qkv, qkv_stride, n, pos0,
+                    static_cast<const __half*>(kc), static_cast<const __half*>(vc), n_head_kv, out);
 }
 
-template <int D>
-cudaError_t attention_g(int G, const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* kc,
-                        const void* vc, int n_head_kv, int n_split, float* partials, int* counters, float* out,
-                        cudaStream_t s) {
+template <int HD>
+cudaError_t flash_g(int G, const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* kc,
+                    const void* vc, int n_head_kv, float* out, cudaStream_t s) {
   switch (G) {
-    case 1: return launch_attention<D, 1>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
-    case 2: return launch_attention<D, 2>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
-    case 4: return launch_attention<D, 4>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
-    case 8: return launch_attention<D, 8>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, n_split, partials, counters, out, s);
+    case 1: return launch_flash<HD, 1>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, out, s);
+    case 2: return launch_flash<HD, 2>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, out, s);
+    case 4: return launch_flash<HD, 4>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, out, s);
+    case 8: return launch_flash<HD, 8>(qkv, qkv_stride, n, pos0, kc, vc, n_head_kv, out, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -255,14 +353,11 @@ cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const flo
 }
 
 cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* k_cache,
-                      const void* v_cache, int n_head, int n_head_kv, int head_dim, int n_split, float* partials,
-                      int* counters, float* out, cudaStream_t s) {
-  if (!attention_supported(n_head, n_head_kv, head_dim) || n_split < 1 || n_split > kMaxSplit)
-    return cudaErrorInvalidValue;
+                      const void* v_cache, int n_head, int n_head_kv, int head_dim, float* out, cudaStream_t s) {
+  if (!attention_supported(n_head, n_head_kv, head_dim) || n < 1) return cudaErrorInvalidValue;
   const int G = n_head / n_head_kv;
-  if (head_dim == 64)
-    return attention_g<2>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, n_split, partials, counters, out, s);
-  return attention_g<4>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, n_split, partials, counters, out, s);
+  if (head_dim == 64) return flash_g<64>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, out, s);
+  return flash_g<128>(G, qkv, qkv_stride, n, pos0, k_cache, v_cache, n_head_kv, out, s);
 }
 
 cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,

@@ -30,9 +30,7 @@ static __device__ __noinline__ void rope_cos_sin(int i, int pos, const Rope& rop
   s = static_cast<float>(sd) * rope.mscale;
 }
 
-constexpr int kAttnWarps = 4;
 constexpr int kMaxSplit = 64;
-constexpr int kMinChunk = 64;
 // Decode slices are at least kDecMinChunk positions: one round of a block's loads (8 warps x 4
 // positions) at short contexts.
 constexpr int kDecMinChunk = 32;

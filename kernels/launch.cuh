@@ -71,13 +71,12 @@ cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const flo
                                int n_head, int n_head_kv, int head_dim, float eps, Rope rope, void* k_cache,
                                void* v_cache, cudaStream_t s);
 
-// Causal GQA attention of n query rows (in qkv, row stride qkv_stride floats) at positions
-// pos0[0] + t over the fp16 cache; out[t] = concat of heads. The context is split in n_split parts
-// per (token, kv head); partials ([n][n_head_kv][n_split][G][head_dim + 2] floats) are combined by
-// the last block to finish, counted in counters ([n][n_head_kv] ints, zero, left zero).
+// Causal GQA attention of n query rows (in qkv, row stride qkv_stride floats; q already normalised
+// and rotated) at positions pos0[0] + t over the fp16 cache, whose rows up to pos0[0] + n - 1 are
+// written; out[t] = concat of heads (n_head * head_dim floats). Tensor cores (f16 MMAs on split
+// fp16 pairs, fp32 accumulation and softmax).
 cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* k_cache,
-                      const void* v_cache, int n_head, int n_head_kv, int head_dim, int n_split, float* partials,
-                      int* counters, float* out, cudaStream_t s);
+                      const void* v_cache, int n_head, int n_head_kv, int head_dim, float* out, cudaStream_t s);
 bool attention_supported(int n_head, int n_head_kv, int head_dim);
 // Decode (one token at pos0[0]): qk_norm_rope_store and attention in one launch. qkv holds the raw
 // [q | k | v] row (left unchanged); the KV cache row of the position is written; out as attention.

@@ -574,7 +574,7 @@ class CudaForward final : public Forward {
       check_step(k::qk_norm_rope_store(qkv_, n, prefill_pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv,
                                        c_.head_dim, eps, rp, k_cache(l), v_cache(l), stream_));
       check_step(k::attention(qkv_, qkv_stride, n, prefill_pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv,
-                              c_.head_dim, 1, nullptr, nullptr, o_, stream_));
+                              c_.head_dim, o_, stream_));
       check_step(k::gemm(L.o, o_, Q, n, x_, E, true, stream_));
       check_step(k::rmsnorm_rows(x_, L.ffn_norm, n, E, E, eps, h_, stream_));
       check_step(k::gemm(L.router, h_, E, n, router_logits_, X, false, stream_));

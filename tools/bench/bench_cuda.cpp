@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -273,7 +274,8 @@ void BM_RouteF32(benchmark::State& st) {
 }
 BENCHMARK(BM_RouteF32)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
-// Decode attention (32 query heads, 4 KV heads of 128) over a cache of depth range(0).
+// Decode attention (32 query heads, 4 KV heads of 128; norm + RoPE + store of the new row included) over
+// a cache of depth range(0).
 void BM_AttentionDecode(benchmark::State& st) {
   const int depth = static_cast<int>(st.range(0)), Hq = 32, Hkv = 4, hd = 128, splits = 64;
   const int stride = (Hq + 2 * Hkv) * hd;
@@ -284,6 +286,7 @@ void BM_AttentionDecode(benchmark::State& st) {
   ck(cudaMemset(kc, 0x3c, cache));  // fp16 ~1.0x
   ck(cudaMemset(vc, 0x3a, cache));
   float* qkv = dev_floats(stride);
+  float* gains = dev_floats(hd);
   float* out = dev_floats(Hq * hd);
   float* part = dev_floats(static_cast<size_t>(Hkv) * splits * 8 * (hd + 2));
   int *counters = nullptr, *pos = nullptr;
@@ -291,16 +294,46 @@ void BM_AttentionDecode(benchmark::State& st) {
   ck(cudaMemset(counters, 0, Hkv * 4));
   ck(cudaMalloc(reinterpret_cast<void**>(&pos), 4));
   ck(cudaMemcpy(pos, &depth, 4, cudaMemcpyHostToDevice));
+  k::Rope rope;
+  rope.theta_scale = std::pow(1e6f, -2.0f / hd);
   time_kernel(st, 2.0 * cache, [&](cudaStream_t s) {
-    return k::attention(qkv, stride, 1, pos, kc, vc, Hq, Hkv, hd, splits, part, counters, out, s);
+    return k::attention_decode(qkv, pos, gains, gains, 1e-6f, rope, kc, vc, Hq, Hkv, hd, splits, part, counters, out,
+                               nullptr, s);
   });
-  for (float* p : {qkv, out, part}) cudaFree(p);
+  for (float* p : {qkv, gains, out, part}) cudaFree(p);
   cudaFree(kc);
   cudaFree(vc);
   cudaFree(counters);
   cudaFree(pos);
 }
 BENCHMARK(BM_AttentionDecode)->Arg(1)->Arg(4096)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// Prefill attention of range(0) new tokens after range(1) cached ones (32 query heads, 4 KV heads of 128);
+// counter TFLOPs: attention TFLOP/s (QK^T and PV over the visible positions).
+void BM_AttentionPrefill(benchmark::State& st) {
+  const int n = static_cast<int>(st.range(0)), past = static_cast<int>(st.range(1)), Hq = 32, Hkv = 4, hd = 128;
+  const int stride = (Hq + 2 * Hkv) * hd;
+  void *kc = nullptr, *vc = nullptr;
+  const size_t cache = static_cast<size_t>(past + n) * Hkv * hd * 2;
+  ck(cudaMalloc(&kc, cache));
+  ck(cudaMalloc(&vc, cache));
+  ck(cudaMemset(kc, 0x3c, cache));
+  ck(cudaMemset(vc, 0x3a, cache));
+  float* qkv = dev_floats(static_cast<size_t>(n) * stride);
+  float* out = dev_floats(static_cast<size_t>(n) * Hq * hd);
+  int* pos = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&pos), 4));
+  ck(cudaMemcpy(pos, &past, 4, cudaMemcpyHostToDevice));
+  time_kernel(st, 0.0, [&](cudaStream_t s) { return k::attention(qkv, stride, n, pos, kc, vc, Hq, Hkv, hd, out, s); });
+  double pairs = 0;
+  for (int t = 0; t < n; ++t) pairs += past + t + 1;
+  st.counters["TFLOPs"] = 4.0 * Hq * hd * pairs / (st.counters["us_per_call"] * 1e-6) / 1e12;
+  for (float* p : {qkv, out}) cudaFree(p);
+  cudaFree(kc);
+  cudaFree(vc);
+  cudaFree(pos);
+}
+BENCHMARK(BM_AttentionPrefill)->Args({512, 0})->Args({512, 3584})->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_ArgmaxVocab(benchmark::State& st) {
   float* x = dev_floats(151936);
