@@ -43,6 +43,19 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) 
 #endif
 }
 
+// Sends an L2Hint's rows to L2 (launch.cuh), from the grid's last block (the first ones start on their
+// weights first), in pieces of 16 KB over the lanes of its first warp.
+__device__ __forceinline__ void send_hint_to_l2(const k::L2Hint& h) {
+  if (h.pos == nullptr || blockIdx.x != gridDim.x - 1 || threadIdx.x >= 32) return;
+  const int64_t bytes = static_cast<int64_t>(min(h.pos[0], h.max_rows)) * h.row_bytes;
+  constexpr int64_t kPiece = 16384;
+  for (int64_t off = threadIdx.x * kPiece; off < 2 * bytes; off += 32 * kPiece) {
+    const int r = off >= bytes;
+    const int64_t o = off - r * bytes;
+    bulk_prefetch_l2(static_cast<const uint8_t*>(h.base[r]) + o, static_cast<uint32_t>(min(kPiece, bytes - o)));
+  }
+}
+
 // Asynchronous 16-byte copies global -> shared (sm_80+, L2 only). The zero-filling form writes 16
 // zero bytes instead when ok is false (src is then not read). Groups: commit, then wait until at most
 // N groups are still in flight.

@@ -296,6 +296,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs a) {
   const int lane = threadIdx.x & 31;
   const int n_tiles = a.tiles_before[a.n_outs];
   const int first = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  send_hint_to_l2(a.hint);
   if (first < n_tiles) {  // weights do not depend on the previous kernel: start pulling them into L2
     int m = 0;
     while (first >= a.tiles_before[m + 1]) ++m;
@@ -556,8 +557,9 @@ cudaError_t init_kernels() {
 }
 
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                   int rows_per_tile) {
+                   int rows_per_tile, const L2Hint* hint) {
   GemvArgs a{};
+  if (hint && hint->pos && hint->row_bytes > 0 && hint->row_bytes % 16 == 0 && hint->max_rows > 0) a.hint = *hint;
   a.n_outs = n_outs;
   for (int i = 0; i < n_outs; ++i) {
     a.outs[i] = outs[i];
@@ -579,7 +581,7 @@ cudaError_t ensure_init() {
 }
 
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                 cudaStream_t s) {
+                 cudaStream_t s, const L2Hint* hint) {
   if (n_outs < 1 || n_outs > 3) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   bool tc = tc_enabled();
@@ -588,10 +590,10 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
     tc = tc && tc_type(outs[i].W.type);
     rows_total += outs[i].W.rows;
   }
-  if (tc) return tc_gemv(gemv_args(outs, n_outs, x, norm_w, eps, accumulate, 16), s);
+  if (tc) return tc_gemv(gemv_args(outs, n_outs, x, norm_w, eps, accumulate, 16, hint), s);
   // four rows per warp when that still gives every SM about eight warps, else two
   const bool four = rows_total / 4 >= 8 * sm_count();
-  const GemvArgs a = gemv_args(outs, n_outs, x, norm_w, eps, accumulate, four ? 4 : 2);
+  const GemvArgs a = gemv_args(outs, n_outs, x, norm_w, eps, accumulate, four ? 4 : 2, hint);
   const size_t smem = x_smem(a.cols);
   const int n_tiles = a.tiles_before[n_outs];
   if (four) {

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(NW * 32, R == 2 ? 3 : 1) tc_gemv_kernel(GemvAr
     if (r < W.rows) bulk_prefetch_l2(W.data + r * W.row_stride, tc_row_bytes(W.type, W.cols));
   };
   prefetch(blockIdx.x);  // the weights do not depend on the previous kernel
+  send_hint_to_l2(a.hint);
   pdl_sync();
   XLoad<R> xl;
   stage_load<R>(a.x, a.cols, a.norm_w, xl);

@@ -21,9 +21,10 @@ struct GemvArgs {
   float eps;
   int cols;
   int accumulate;
+  L2Hint hint;
 };
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                   int rows_per_tile);
+                   int rows_per_tile, const L2Hint* hint);
 
 cudaError_t tc_init();
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);

@@ -46,8 +46,18 @@ struct GemvOut {
   Mat W;
   float* y = nullptr;
 };
+// What the next kernel will read that is not in L2 yet: rows [0, min(pos[0], max_rows)) of row_bytes each
+// at base[0] and base[1] (the decode attention's K and V cache rows). One block of the GEMV sends them
+// to L2 while the GEMV runs, so that their address translation and DRAM reads are off the next
+// kernel's critical path. A hint: nothing else depends on it.
+struct L2Hint {
+  const void* base[2] = {nullptr, nullptr};
+  const int32_t* pos = nullptr;
+  int row_bytes = 0;
+  int max_rows = 0;
+};
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                 cudaStream_t s);
+                 cudaStream_t s, const L2Hint* hint = nullptr);
 
 // MoE routing for one token, first half: h = rmsnorm(x) * norm_w (written to h_out) and the router
 // logits = R·h (R.rows floats). The experts are chosen by expert_gate_up.

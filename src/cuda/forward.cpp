@@ -221,6 +221,16 @@ class CudaForward final : public Forward {
 
   uint64_t kv_bytes() const { return 2ull * 2ull * c_.n_layer * static_cast<uint64_t>(n_ctx_) * c_.kv_dim(); }
 
+  // Cache rows per layer that the Q/K/V GEMV sends to L2 for the decode attention (MOE_CUDA_KV_PREFETCH,
+  // default 128: the rows whose reads are latency, not bandwidth; 0 turns it off).
+  static int kv_prefetch_rows() {
+    static const int rows = [] {
+      const char* v = std::getenv("MOE_CUDA_KV_PREFETCH");
+      return v ? std::max(0, std::atoi(v)) : 128;
+    }();
+    return rows;
+  }
+
   int decode_splits() const {
     const int want = (2 * k::sm_count() + static_cast<int>(c_.n_head_kv) - 1) / static_cast<int>(c_.n_head_kv);
     return std::clamp(want, 1, 64);
@@ -439,7 +449,13 @@ class CudaForward final : public Forward {
     for (size_t l = 0; l < (use_persist_ ? 0 : layers_.size()); ++l) {
       const DevLayer& L = layers_[l];
       k::GemvOut qkv[3] = {{L.q, qkv_}, {L.k, qkv_ + Q}, {L.v, qkv_ + Q + KV}};
-      check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_), step);
+      k::L2Hint kv;  // the attention's first cache rows go to L2 while Q/K/V run
+      kv.base[0] = k_cache(l);
+      kv.base[1] = v_cache(l);
+      kv.pos = pos_;
+      kv.row_bytes = KV * 2;
+      kv.max_rows = kv_prefetch_rows();
+      check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_, kv.max_rows > 0 ? &kv : nullptr), step);
       check(k::attention_decode(qkv_, pos_, L.q_norm, L.k_norm, eps, rp, k_cache(l), v_cache(l), c_.n_head,
                                 c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, rope_cs_, stream_),
             step);

@@ -64,6 +64,23 @@ TEST(CudaKernels, GemvFusedNormThreeMatricesAndAccumulate) {
       expect_close(y[r], dot(row, h.data(), cols), abs_dot(row, h.data(), cols), "fused", r);
     }
   }
+  // the same with an L2 hint over rows past the end of its buffer (capped by max_rows: no fault, same y)
+  {
+    Dev<uint8_t> rows(std::vector<uint8_t>(64 * 256, 1));
+    Dev<int32_t> pos(std::vector<int32_t>{1000});
+    k::L2Hint hint;
+    hint.base[0] = rows.p;
+    hint.base[1] = rows.p + 32 * 256;
+    hint.pos = pos.p;
+    hint.row_bytes = 256;
+    hint.max_rows = 32;
+    Dev<float> yh(45);
+    k::GemvOut one{A.mat(), yh.p};
+    ok(k::gemv(&one, 1, dx.p, dw.p, eps, false, nullptr, &hint));
+    ok(cudaDeviceSynchronize());
+    const std::vector<float> a = ya.get(), b = yh.get();  // other tile/block pairing: rounding may differ
+    for (int r = 0; r < 45; ++r) EXPECT_NEAR(b[r], a[r], 1e-5 * (1 + std::fabs(a[r]))) << "row " << r;
+  }
   // accumulate: y += W x
   ya.put(y0);
   ok(k::gemv(outs, 1, dx.p, nullptr, 0.f, true, nullptr));
