@@ -85,6 +85,9 @@ class CudaForward final : public Forward {
            kReserveBytes / kMiB, free_b / kMiB, total_b / kMiB);
     check(k::init_kernels(), "CUDA initialization failed");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "CUDA initialization failed");
+    check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "CUDA initialization failed");
+    check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "CUDA initialization failed");
+    check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "CUDA initialization failed");
     upload(plan, o.progress);
     alloc_scratch();
     capture();
@@ -104,6 +107,9 @@ class CudaForward final : public Forward {
     if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
     if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
     if (host_io_) cudaFreeHost(host_io_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    if (side_) cudaStreamDestroy(side_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -229,6 +235,15 @@ class CudaForward final : public Forward {
       return v ? std::max(0, std::atoi(v)) : 128;
     }();
     return rows;
+  }
+
+  // MOE_CUDA_PREFILL_OVERLAP=0: the prefill's Q, K and V GEMMs one after another on one stream.
+  static bool prefill_overlap() {
+    static const bool on = [] {
+      const char* v = std::getenv("MOE_CUDA_PREFILL_OVERLAP");
+      return !(v && v[0] == '0');
+    }();
+    return on;
   }
 
   int decode_splits() const {
@@ -584,9 +599,21 @@ class CudaForward final : public Forward {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const DevLayer& L = layers_[l];
       check_step(k::rmsnorm_rows(x_, L.attn_norm, n, E, E, eps, h_, stream_));
-      check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_));
-      check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_));
-      check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, stream_));
+      if (prefill_overlap()) {
+        // V on the side stream next to K: at prefill sizes each is a small GEMM that leaves most of
+        // the GPU idle (latency-bound); Q follows K, the attention waits for both
+        check_step(cudaEventRecord(fork_, stream_));
+        check_step(cudaStreamWaitEvent(side_, fork_, 0));
+        check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, side_));
+        check_step(cudaEventRecord(join_, side_));
+        check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_));
+        check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_));
+        check_step(cudaStreamWaitEvent(stream_, join_, 0));
+      } else {
+        check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_));
+        check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_));
+        check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, stream_));
+      }
       check_step(k::qk_norm_rope_store(qkv_, n, prefill_pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv,
                                        c_.head_dim, eps, rp, k_cache(l), v_cache(l), stream_));
       check_step(k::attention(qkv_, qkv_stride, n, prefill_pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv,
@@ -674,6 +701,8 @@ class CudaForward final : public Forward {
   int32_t* host_io_ = nullptr;  // pinned: token, pos, -, prefill pos, argmax, non-finite flag
 
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;  // the prefill's V projection, next to K (and Q) on stream_
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr;
 };
 
