@@ -14,7 +14,7 @@ namespace {
 // One block per (head, token); head_dim/2 threads, thread i owns the RoPE pair (i, i + head_dim/2).
 __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, int n_head, int n_head_kv, int hd,
-                                          float eps, Rope rope, __half* kc, __half* vc) {
+                                          float eps, Rope rope, __half* kc, __half* vc, const float* rope_cs) {
   __shared__ float red[32];
   pdl_sync();
   const int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x, half_d = hd / 2;
@@ -30,7 +30,12 @@ __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const
   a = a * scale * gain[i];
   b = b * scale * gain[i + half_d];
   float c, s;
-  rope_cos_sin(i, pos, rope, c, s);
+  if (rope_cs) {
+    c = rope_cs[t * hd + i];
+    s = rope_cs[t * hd + half_d + i];
+  } else {
+    rope_cos_sin(i, pos, rope, c, s);
+  }
   const float ra = a * c - b * s, rb = a * s + b * c;
   if (is_q) {
     v[i] = ra;
@@ -263,12 +268,14 @@ __global__ void __launch_bounds__(kFlashWarps * 32) flash_attention_kernel(const
   }
 }
 
-// out[i] = cos, out[hd / 2 + i] = sin of RoPE pair i at position pos0[0] (one per token: every layer's
-// decode attention reads it instead of evaluating double-precision sincos per block).
+// Row t: out[i] = cos, out[hd / 2 + i] = sin of RoPE pair i at position pos0[0] + t (once per decode
+// token or prefill chunk: every layer's attention reads it instead of evaluating double-precision
+// sincos per block).
 __global__ void rope_table_kernel(const int32_t* pos0, Rope rope, int hd, float* out) {
   pdl_sync();
-  const int i = threadIdx.x;
-  if (i < hd / 2) rope_cos_sin(i, pos0[0], rope, out[i], out[hd / 2 + i]);
+  const int i = threadIdx.x, t = blockIdx.x;
+  float* row = out + static_cast<int64_t>(t) * hd;
+  if (i < hd / 2) rope_cos_sin(i, pos0[0] + t, rope, row[i], row[hd / 2 + i]);
 }
 
 template <int D, int G>
@@ -346,10 +353,11 @@ bool attention_supported(int n_head, int n_head_kv, int head_dim) {
 
 cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const float* q_norm, const float* k_norm,
                                int n_head, int n_head_kv, int head_dim, float eps, Rope rope, void* k_cache,
-                               void* v_cache, cudaStream_t s) {
+                               void* v_cache, const float* rope_cs, cudaStream_t s) {
   dim3 grid(n_head + n_head_kv, n);
   return launch_pdl(qk_norm_rope_store_kernel, grid, dim3(head_dim / 2), 0, s, qkv, pos0, q_norm, k_norm, n_head,
-                    n_head_kv, head_dim, eps, rope, static_cast<__half*>(k_cache), static_cast<__half*>(v_cache));
+                    n_head_kv, head_dim, eps, rope, static_cast<__half*>(k_cache), static_cast<__half*>(v_cache),
+                    rope_cs);
 }
 
 cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* pos0, const void* k_cache,
@@ -374,9 +382,9 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
                                counters, out, rope_cs, s);
 }
 
-cudaError_t rope_table(const int32_t* pos0, Rope rope, int head_dim, float* out, cudaStream_t s) {
-  if (head_dim < 2 || head_dim % 2 != 0 || head_dim > 2048) return cudaErrorInvalidValue;
-  return launch_pdl(rope_table_kernel, dim3(1), dim3((head_dim / 2 + 31) / 32 * 32), 0, s, pos0, rope, head_dim, out);
+cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s) {
+  if (head_dim < 2 || head_dim % 2 != 0 || head_dim > 2048 || n < 1) return cudaErrorInvalidValue;
+  return launch_pdl(rope_table_kernel, dim3(n), dim3((head_dim / 2 + 31) / 32 * 32), 0, s, pos0, rope, head_dim, out);
 }
 
 }  // namespace moe::cuda::k

@@ -76,10 +76,11 @@ cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, 
 
 // Per-head RMSNorm of q and k (gains q_norm/k_norm over head_dim), NEOX RoPE at position
 // pos0[0] + t, then K and V (as fp16) into the cache rows of those positions. qkv holds n rows of
-// [q | k | v] (q_dim + 2 kv_dim floats); q is normalised in place.
+// [q | k | v] (q_dim + 2 kv_dim floats); q is normalised in place. rope_cs: rope_table of the n
+// positions, or null (each block then evaluates its angles).
 cudaError_t qk_norm_rope_store(float* qkv, int n, const int32_t* pos0, const float* q_norm, const float* k_norm,
                                int n_head, int n_head_kv, int head_dim, float eps, Rope rope, void* k_cache,
-                               void* v_cache, cudaStream_t s);
+                               void* v_cache, const float* rope_cs, cudaStream_t s);
 
 // Causal GQA attention of n query rows (in qkv, row stride qkv_stride floats; q already normalised
 // and rotated) at positions pos0[0] + t over the fp16 cache, whose rows up to pos0[0] + n - 1 are
@@ -95,8 +96,9 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
                              Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
                              int n_split, float* partials, int* counters, float* out, const float* rope_cs,
                              cudaStream_t s);
-// out[0 .. head_dim/2) = cos, out[head_dim/2 .. head_dim) = sin of the RoPE pairs at position pos0[0].
-cudaError_t rope_table(const int32_t* pos0, Rope rope, int head_dim, float* out, cudaStream_t s);
+// RoPE tables of positions pos0[0] + t, t < n: row t (head_dim floats at out + t head_dim) holds the cos
+// of the pairs in [0, head_dim/2) and their sin in [head_dim/2, head_dim).
+cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s);
 
 // out[0] = argmax of x[0..n) (lowest index on ties, non-finite values skipped), out[1] = 1 when some
 // x is not finite (else 0); scratch holds kArgmaxScratch floats.

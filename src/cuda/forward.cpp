@@ -279,7 +279,7 @@ class CudaForward final : public Forward {
         64,                                                   // -, token, pos, prefill pos, argmax, barrier
         B * 4,                                                // prefill ids
         k::kArgmaxScratch * f,                                // argmax partials
-        c_.head_dim * f,                                      // RoPE table of the decode position
+        B * c_.head_dim * f,                                  // RoPE tables: the decode position, or the chunk's
     };
   }
   uint64_t scratch_bytes() const {
@@ -459,7 +459,7 @@ class CudaForward final : public Forward {
     const float eps = c_.rms_eps;
     const k::Rope rp = rope();
     check(k::embed_rows(embd_, token_, 1, x_, stream_), step);
-    check(k::rope_table(pos_, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_), step);
+    check(k::rope_table(pos_, 1, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_), step);
     if (use_persist_) check(k::decode_persist(persist_, persist_smem_, persist_blocks_, stream_), step);
     for (size_t l = 0; l < (use_persist_ ? 0 : layers_.size()); ++l) {
       const DevLayer& L = layers_[l];
@@ -596,6 +596,7 @@ class CudaForward final : public Forward {
     check_step(cudaMemcpyAsync(prefill_ids_, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     check_step(cudaMemcpyAsync(prefill_pos_, host_io_ + 3, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     check_step(k::embed_rows(embd_, prefill_ids_, n, x_, stream_));
+    check_step(k::rope_table(prefill_pos_, n, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_));  // every layer's
     for (size_t l = 0; l < layers_.size(); ++l) {
       const DevLayer& L = layers_[l];
       check_step(k::rmsnorm_rows(x_, L.attn_norm, n, E, E, eps, h_, stream_));
@@ -615,7 +616,7 @@ class CudaForward final : public Forward {
         check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, stream_));
       }
       check_step(k::qk_norm_rope_store(qkv_, n, prefill_pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv,
-                                       c_.head_dim, eps, rp, k_cache(l), v_cache(l), stream_));
+                                       c_.head_dim, eps, rp, k_cache(l), v_cache(l), rope_cs_, stream_));
       check_step(k::attention(qkv_, qkv_stride, n, prefill_pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv,
                               c_.head_dim, o_, stream_));
       check_step(k::gemm(L.o, o_, Q, n, x_, E, true, stream_));

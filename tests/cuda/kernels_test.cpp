@@ -115,6 +115,14 @@ TEST(CudaKernels, GemmEveryTypeMatchesDequantizedProduct) {
       }
     // columns past `rows` in each output row stay untouched (NaN poison)
     EXPECT_TRUE(std::isnan(Y[rows])) << "gemm wrote outside its rows";
+    // accumulate: Y += W X (once more)
+    ok(k::gemm(W.mat(), dX.p, static_cast<int>(cols), static_cast<int>(ntok), dY.p, y_stride, true, nullptr));
+    ok(cudaDeviceSynchronize());
+    std::vector<float> Y2 = dY.get();
+    for (int64_t tk = 0; tk < ntok; ++tk)
+      for (int64_t r = 0; r < rows; ++r)
+        EXPECT_NEAR(Y2[tk * y_stride + r], 2.f * Y[tk * y_stride + r], 1e-6 * (1 + std::fabs(Y[tk * y_stride + r])))
+            << "accumulate, token " << tk << " row " << r;
   }
 }
 
@@ -400,7 +408,16 @@ TEST(CudaKernels, QkNormRopeStoreAndAttentionMatchTwin) {
     Dev<int32_t> dpos(std::vector<int32_t>{past});
     moe::cuda::k::Rope rope;
     rope.theta_scale = theta_scale;
-    ok(k::qk_norm_rope_store(dqkv.p, n, dpos.p, dqn.p, dkn.p, n_head, n_kv, hd, eps, rope, dk.p, dv.p, nullptr));
+    // the same with the chunk's RoPE table (rope_table of the n positions) into copies
+    Dev<float> tqkv(qkv), table(std::vector<float>(static_cast<size_t>(n) * hd, NAN));
+    Dev<uint16_t> tk(hk), tv(hv);
+    ok(k::rope_table(dpos.p, n, rope, hd, table.p, nullptr));
+    ok(k::qk_norm_rope_store(tqkv.p, n, dpos.p, dqn.p, dkn.p, n_head, n_kv, hd, eps, rope, tk.p, tv.p, table.p, nullptr));
+    ok(k::qk_norm_rope_store(dqkv.p, n, dpos.p, dqn.p, dkn.p, n_head, n_kv, hd, eps, rope, dk.p, dv.p, nullptr, nullptr));
+    ok(cudaDeviceSynchronize());
+    EXPECT_EQ(tqkv.get(), dqkv.get()) << "table: the same angles as evaluated per block";
+    EXPECT_EQ(tk.get(), dk.get());
+    EXPECT_EQ(tv.get(), dv.get());
     // twin of the norm/rope/store
     for (int t = 0; t < n; ++t) {
       float* row = &qkv[t * stride];
@@ -526,7 +543,7 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
         Dev<int32_t> dpos(std::vector<int32_t>{past});
         Dev<int> counters(std::vector<int>(n_kv, 0));
         Dev<float> cs(std::vector<float>(hd, -7.f));
-        if (table) ok(k::rope_table(dpos.p, rope, hd, cs.p, nullptr));
+        if (table) ok(k::rope_table(dpos.p, 1, rope, hd, cs.p, nullptr));
         ok(k::attention_decode(dqkv.p, dpos.p, dqn.p, dkn.p, eps, rope, dk.p, dv.p, n_head, n_kv, hd, n_split,
                                partials.p, counters.p, out.p, table ? cs.p : nullptr, nullptr));
         ok(cudaDeviceSynchronize());
