@@ -85,9 +85,6 @@ class CudaForward final : public Forward {
            kReserveBytes / kMiB, free_b / kMiB, total_b / kMiB);
     check(k::init_kernels(), "CUDA initialization failed");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "CUDA initialization failed");
-    check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "CUDA initialization failed");
-    check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "CUDA initialization failed");
-    check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "CUDA initialization failed");
     upload(plan, o.progress);
     alloc_scratch();
     capture();
@@ -237,13 +234,32 @@ class CudaForward final : public Forward {
     return rows;
   }
 
-  // MOE_CUDA_PREFILL_OVERLAP=0: the prefill's Q, K and V GEMMs one after another on one stream.
+  // MOE_CUDA_PREFILL_OVERLAP=1: the prefill's V GEMM on a second stream next to K and Q. Off by default:
+  // +2.6 % pp512, but once a second stream had run work the decode graph on stream_ ran ~2.5 % slower
+  // (CLI 361.6-362.4 vs 369.2-373.3 tok/s without any second stream, alternating in one call).
   static bool prefill_overlap() {
     static const bool on = [] {
       const char* v = std::getenv("MOE_CUDA_PREFILL_OVERLAP");
-      return !(v && v[0] == '0');
+      return v && v[0] == '1';
     }();
     return on;
+  }
+
+  // The prefill's second stream and its two events, made at the first prefill that overlaps (never
+  // without MOE_CUDA_PREFILL_OVERLAP=1). False (one stream) if they cannot be made.
+  bool side_stream() {
+    if (side_) return true;
+    if (cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&join_, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      if (side_) cudaStreamDestroy(side_);
+      if (fork_) cudaEventDestroy(fork_);
+      side_ = nullptr;
+      fork_ = nullptr;
+      return false;
+    }
+    return true;
   }
 
   int decode_splits() const {
@@ -600,7 +616,7 @@ class CudaForward final : public Forward {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const DevLayer& L = layers_[l];
       check_step(k::rmsnorm_rows(x_, L.attn_norm, n, E, E, eps, h_, stream_));
-      if (prefill_overlap()) {
+      if (prefill_overlap() && side_stream()) {
         // V on the side stream next to K: at prefill sizes each is a small GEMM that leaves most of
         // the GPU idle (latency-bound); Q follows K, the attention waits for both
         check_step(cudaEventRecord(fork_, stream_));
