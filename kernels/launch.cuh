@@ -116,6 +116,12 @@ cudaError_t trace_attach_decode_persist(void* buf, void* count);
 
 // An empty kernel of `blocks` x `threads` (measures the launch floor in a graph).
 cudaError_t noop(int blocks, int threads, cudaStream_t s);
+// Benchmark support (address translation): links[i] = offsets[(i + 1) % n] for the n byte offsets (8-byte
+// aligned) into base, then one thread follows `steps` links from offsets[0] through L2 and writes the
+// elapsed SM cycles to cycles[0] (and the last address to cycles[1]). With one offset per 2 MiB page
+// the lines all fit in L2 after a first pass, so the time per step is L2 latency plus any page walk.
+cudaError_t chain_links(void* base, const int64_t* offsets, int n, cudaStream_t s);
+cudaError_t chase_links(const void* base, int64_t first, int steps, long long* cycles, cudaStream_t s);
 
 // ---- the persistent decode kernel (decode_persist.cu) ---------------------------------------------------
 // Every layer of one decode token in one cooperative launch (grid barriers between the phases; weight

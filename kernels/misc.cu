@@ -213,6 +213,20 @@ __global__ void combine_kernel(const float* out, const int32_t* slot_of, const f
 // Does nothing: the launch-overhead floor of a kernel in a captured graph (bench_cuda BM_LaunchChain).
 __global__ void noop_kernel() {}
 
+__global__ void chain_links_kernel(uint8_t* base, const int64_t* offsets, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    *reinterpret_cast<int64_t*>(base + offsets[i]) = offsets[i + 1 < n ? i + 1 : 0];
+}
+
+__global__ void chase_links_kernel(const uint8_t* base, int64_t first, int steps, long long* cycles) {
+  int64_t o = first;
+  const long long t0 = clock64();
+  for (int i = 0; i < steps; ++i) o = __ldcg(reinterpret_cast<const int64_t*>(base + o));
+  const long long t1 = clock64();
+  cycles[0] = t1 - t0;
+  cycles[1] = o;  // keeps the chain live
+}
+
 }  // namespace
 
 cudaError_t embed_rows(const Mat& W, const int32_t* ids, int n, float* out, cudaStream_t s) {
@@ -256,6 +270,16 @@ cudaError_t group_by_expert(const int32_t* ids, int n_tok, int n_used, int n_exp
 cudaError_t combine_experts(const float* out, const int32_t* slot_of, const float* weights, int n_tok, int n_used,
                             int cols, float* x, cudaStream_t s) {
   combine_kernel<<<n_tok, 256, 0, s>>>(out, slot_of, weights, n_used, cols, x);
+  return cudaGetLastError();
+}
+
+cudaError_t chain_links(void* base, const int64_t* offsets, int n, cudaStream_t s) {
+  chain_links_kernel<<<256, 256, 0, s>>>(static_cast<uint8_t*>(base), offsets, n);
+  return cudaGetLastError();
+}
+
+cudaError_t chase_links(const void* base, int64_t first, int steps, long long* cycles, cudaStream_t s) {
+  chase_links_kernel<<<1, 1, 0, s>>>(static_cast<const uint8_t*>(base), first, steps, cycles);
   return cudaGetLastError();
 }
 
