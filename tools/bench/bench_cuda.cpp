@@ -72,7 +72,9 @@ BENCHMARK(BM_CopyBandwidth)->UseManualTime()->Iterations(20)->Unit(benchmark::kM
 // step = L2 latency + page-walk cost; a TLB reach smaller than the region shows as a step up.
 // Measured on the H200 (2026-11-30, an ad-hoc version of this): 277-291 cycles from 16 MiB to 16 GiB,
 // the same with 64 KiB strides over 1 GiB and in a cuMemCreate mapping: no page walks to speak of on
-// the decode's working set.
+// the decode's working set. The 16 GiB stay allocated until the process ends (every range reuses
+// them): on a GPU with less than ~40 GB run it on its own (--benchmark_filter=BM_PageWalk), since the
+// model benchmarks after it need room for the model.
 void BM_PageWalk(benchmark::State& st) {
   constexpr int64_t kTotal = int64_t{16} << 30, kPage = int64_t{2} << 20;
   static void* base = nullptr;
