@@ -214,25 +214,20 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
 }
 
 // The experts of one token chosen by a whole block (blockDim a multiple of 64, >= 64) from its router
-// logits in global memory (n <= kMaxExperts, written by the previous kernel; s_logit and s_prob hold n
-// floats of shared memory each): probabilities as the warp
-// version, then each expert's rank counted in parallel (ties to the lower id), the k picks renormalised
-// (clamped as llama.cpp does). On return (after a barrier) every thread sees s_id/s_w[0..k) in rank
-// order. Each block of the expert kernels runs it itself: no block has to wait for a last one.
+// logits in global memory (n <= kMaxExperts, written by the previous kernel; s_logit holds n floats of
+// shared memory): each expert's rank among the logits counted in parallel (ties to the lower id), the k
+// best in rank order to s_id; with `weights` (block-uniform) also their weights to s_w: the softmax
+// over all n renormalised over the chosen k, i.e. exp(l_j - l_max) / Σ_chosen exp(l - l_max) (the
+// softmax's denominator cancels; llama.cpp's clamp of the chosen sum at 2^-14 cannot apply, as the
+// largest probability is at least 1/n). On return (after a barrier) every thread sees s_id[0..k) (and
+// s_w). Ranking the logits themselves orders exactly as the CPU's double-precision probabilities do;
+// each block of the expert kernels runs it itself: no block has to wait for a last one.
 constexpr int kMaxExperts = 1024;
-__device__ __forceinline__ void choose_experts(const float* logits, int n, int k, float* s_logit, float* s_prob,
-                                               int32_t* s_id, float* s_w) {
+__device__ __forceinline__ void choose_experts(const float* logits, int n, int k, float* s_logit, int32_t* s_id,
+                                               float* s_w, bool weights) {
   const int lane = threadIdx.x & 31;
   for (int i = threadIdx.x; i < n; i += blockDim.x) s_logit[i] = __ldcg(logits + i);
-  __syncthreads();
-  // every warp forms the max and the sum itself (as softmax_warp does): no barrier between the two
-  float mx = -INFINITY;
-  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, s_logit[i]);
-  mx = warp_max(mx);
-  float sum = 0.f;
-  for (int i = lane; i < n; i += 32) sum += expf(s_logit[i] - mx);
-  const float inv = 1.f / warp_sum(sum);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) s_prob[i] = expf(s_logit[i] - mx) * inv;
+  if (static_cast<int>(threadIdx.x) < k) s_id[threadIdx.x] = 0;  // a valid id even for NaN logits
   __syncthreads();
   // rank of element i = the number of elements before it; two lanes per element split the comparisons
   // (four running counts each, so that the adds do not form one long chain)
@@ -240,18 +235,19 @@ __device__ __forceinline__ void choose_experts(const float* logits, int n, int k
   for (int base = 0; base < 2 * n; base += blockDim.x) {
     const int i2 = base + static_cast<int>(threadIdx.x), i = i2 >> 1, h = i2 & 1;
     int r[4] = {0, 0, 0, 0};
+    float p = 0.f;
     if (i < n) {
-      const float p = s_prob[i];
+      p = s_logit[i];
       const int j0 = h * half, j1 = min(n, j0 + half);
       int j = j0;
       for (; j + 4 <= j1; j += 4)
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const float q = s_prob[j + u];
+          const float q = s_logit[j + u];
           r[u] += (q > p) || (q == p && j + u < i);
         }
       for (; j < j1; ++j) {
-        const float q = s_prob[j];
+        const float q = s_logit[j];
         r[0] += (q > p) || (q == p && j < i);
       }
     }
@@ -259,15 +255,18 @@ __device__ __forceinline__ void choose_experts(const float* logits, int n, int k
     rank += __shfl_xor_sync(0xffffffffu, rank, 1);
     if (i < n && h == 0 && rank < k) {
       s_id[rank] = i;
-      s_w[rank] = s_prob[i];
+      s_w[rank] = p;  // the logit, in rank order
     }
   }
   __syncthreads();
+  if (!weights) return;
   if (threadIdx.x < 32) {
-    const float w0 = lane < k ? s_w[lane] : 0.f, w1 = lane + 32 < k ? s_w[lane + 32] : 0.f;
-    const float total = fmaxf(warp_sum(w0 + w1), 6.103515625e-5f);  // clamped as llama.cpp does
-    if (lane < k) s_w[lane] = w0 / total;
-    if (lane + 32 < k) s_w[lane + 32] = w1 / total;
+    const float top = s_w[0];
+    const float e0 = lane < k ? expf(s_w[lane] - top) : 0.f, e1 = lane + 32 < k ? expf(s_w[lane + 32] - top) : 0.f;
+    const float inv = 1.f / warp_sum(e0 + e1);
+    __syncwarp();
+    if (lane < k) s_w[lane] = e0 * inv;
+    if (lane + 32 < k) s_w[lane + 32] = e1 * inv;
   }
   __syncthreads();
 }

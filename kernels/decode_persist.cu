@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
     {
       MOE_TRACE_SCOPE(10);
       float* s_logit = reinterpret_cast<float*>(X);
-      choose_experts(a.logits, a.n_expert, a.n_used, s_logit, s_logit + a.n_expert, s_id, s_w);
+      choose_experts(a.logits, a.n_expert, a.n_used, s_logit, s_id, s_w, true);
       MOE_TRACE_MARK(1);
       copy_gate_up(L.gate, L.up, s_id, a.n_used, Wb);
       copy_down(L.down, s_id, a.n_used, Wb + a.off_down);

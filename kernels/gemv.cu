@@ -418,13 +418,13 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gate_up_kernel(Mat G, Mat 
                                                                   float* act) {
   extern __shared__ float4 smem4[];
   __shared__ float red[32];
-  __shared__ float s_logit[kMaxExperts], prob[kMaxExperts], s_w[64];
+  __shared__ float s_logit[kMaxExperts], s_w[64];
   __shared__ int32_t ids[64];
   float* xs = reinterpret_cast<float*>(smem4);
   float* sum16 = xs + G.cols;
   const int lane = threadIdx.x & 31;
   pdl_sync();  // the router logits come from the previous kernel
-  choose_experts(logits, n_expert, n_used, s_logit, prob, ids, s_w);
+  choose_experts(logits, n_expert, n_used, s_logit, ids, s_w, blockIdx.x == 0);
   if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {
     ids_out[threadIdx.x] = ids[threadIdx.x];
     w_out[threadIdx.x] = s_w[threadIdx.x];

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[8][16];
-  __shared__ float s_logit[kMaxExperts], prob[kMaxExperts], s_w[64];
+  __shared__ float s_logit[kMaxExperts], s_w[64];
   __shared__ int32_t s_id[64];
   MOE_TRACE_SCOPE(2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   XLoad<2> xl;
   stage_load<2>(h, G.cols, nullptr, xl);
   MOE_TRACE_MARK(1);
-  choose_experts(logits, n_expert, n_used, s_logit, prob, s_id, s_w);
+  choose_experts(logits, n_expert, n_used, s_logit, s_id, s_w, blockIdx.x == 0);
   MOE_TRACE_MARK(2);
   if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {  // for the down kernel
     ids_out[threadIdx.x] = s_id[threadIdx.x];
