@@ -85,11 +85,11 @@ __global__ void __launch_bounds__(NW * 32, R == 2 ? 3 : 1) tc_gemv_kernel(GemvAr
     const Mat& W = a.outs[m].W;
     bulk_prefetch_l2(W.data + r * W.row_stride, static_cast<uint32_t>(min(16, W.rows - r) * W.row_stride));
   };
-  prefetch(blockIdx.x);  // the weights do not depend on the previous kernel
-  send_hint_to_l2(a.hint);
   pdl_sync();
   XLoad<R> xl;
-  stage_load<R>(a.x, a.cols, a.norm_w, xl);
+  stage_load<R>(a.x, a.cols, a.norm_w, xl);  // x first: its loads overlap the tile lookup of the prefetch
+  prefetch(blockIdx.x);
+  send_hint_to_l2(a.hint);
   MOE_TRACE_MARK(1);
   prefetch(blockIdx.x + gridDim.x);
   MOE_TRACE_MARK(2);
