@@ -44,7 +44,7 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) 
 }
 
 // Sends an L2Hint's rows to L2 (launch.cuh), from the grid's last block (the first ones start on their
-// weights first), in pieces of 16 KB over the lanes of its first warp.
+// weights first), in pieces of 128 KB over the lanes of its first warp.
 __device__ __forceinline__ void send_hint_to_l2(const k::L2Hint& h) {
   if (h.pos == nullptr || blockIdx.x != gridDim.x - 1 || threadIdx.x >= 32) return;
   const int64_t bytes = static_cast<int64_t>(min(h.pos[0], h.max_rows)) * h.row_bytes;
