@@ -552,8 +552,9 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   for (int hd : {64, 128})
-    for (int past : {0, 70, 611}) {
-      const int n_head = 16, n_kv = 2, G = n_head / n_kv, ctx = 700;
+    for (int past : {0, 70, 611})
+    for (int G : {8, 2}) {  // one query head per warp (8 warps), or fewer heads than warps
+      const int n_kv = 2, n_head = n_kv * G, ctx = 700;
       const int Q = n_head * hd, KV = n_kv * hd;
       const float eps = 1e-6f, theta_scale = std::pow(1e6f, -2.0f / hd);
       std::vector<float> ck = randn(static_cast<size_t>(ctx) * KV, rng), cv = randn(static_cast<size_t>(ctx) * KV, rng);
@@ -579,8 +580,8 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
       rope.theta_scale = theta_scale;
       for (int n_split : {1, 5, 64})
       for (bool table : {false, true}) {  // angles per block, or the position's rope_table
-        SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " n_split " << n_split << " table "
-                                          << table);
+        SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " G " << G << " n_split " << n_split
+                                          << " table " << table);
         Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(static_cast<size_t>(n_kv) * n_split * G * (hd + 2));
         Dev<uint16_t> dk(hk), dv(hv);
         Dev<int32_t> dpos(std::vector<int32_t>{past});
