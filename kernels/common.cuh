@@ -220,8 +220,9 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
 // over all n renormalised over the chosen k, i.e. exp(l_j - l_max) / Σ_chosen exp(l - l_max) (the
 // softmax's denominator cancels; llama.cpp's clamp of the chosen sum at 2^-14 cannot apply, as the
 // largest probability is at least 1/n). On return (after a barrier) every thread sees s_id[0..k) (and
-// s_w). Ranking the logits themselves orders exactly as the CPU's double-precision probabilities do;
-// each block of the expert kernels runs it itself: no block has to wait for a last one.
+// s_w). Ranking the logits themselves orders exactly as double-precision probabilities do (float ones
+// can round two different logits to a tie); each block of the expert kernels runs it itself: no block
+// has to wait for a last one (a last block's tail measured slower, docs/PERFORMANCE.md version 8).
 constexpr int kMaxExperts = 1024;
 __device__ __forceinline__ void choose_experts(const float* logits, int n, int k, float* s_logit, int32_t* s_id,
                                                float* s_w, bool weights) {
