@@ -56,23 +56,68 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
   }
 }
 
+// A block's K and V rows of one group of 32 positions in registers (every thread's 16-byte pieces), so that
+// their loads can be issued early: the first group's before the block's Q/K norm and RoPE.
+template <int D, int NW>
+struct KVGroup {
+  static constexpr int CH = D * 4, PER = (2 * 32 * CH + NW * 32 - 1) / (NW * 32);  // 16-byte pieces per row, per thread
+  uint4 v[PER];
+};
+// Loads rows base .. base + 31 (zeros past c1 and for `cur`, which kv_group_store takes from kn/vn).
+template <int D, int NW>
+__device__ __forceinline__ void kv_group_load(KVGroup<D, NW>& g, const __half* kc, const __half* vc, int kv_dim,
+                                              int64_t off, int base, int c1, int cur) {
+  constexpr int CH = KVGroup<D, NW>::CH;
+#pragma unroll
+  for (int k = 0; k < KVGroup<D, NW>::PER; ++k) {
+    const int idx = threadIdx.x + k * NW * 32;
+    const int kv = idx / (32 * CH), rem = idx - kv * 32 * CH, r = rem / CH, c = rem - r * CH, p = base + r;
+    g.v[k] = make_uint4(0u, 0u, 0u, 0u);
+    if (kv < 2 && p < c1 && p != cur)
+      g.v[k] = *reinterpret_cast<const uint4*>((kv ? vc : kc) + static_cast<int64_t>(p) * kv_dim + off + 8 * c);
+  }
+}
+// Writes the group to kt (K rows, then V rows, KS halves apart), row `cur` from kn/vn (fp16-rounded floats).
+template <int D, int NW>
+__device__ __forceinline__ void kv_group_store(const KVGroup<D, NW>& g, __half* kt, int base, int c1, int cur,
+                                               const float* kn, const float* vn) {
+  constexpr int CH = KVGroup<D, NW>::CH, KS = D * 32 + 8;
+#pragma unroll
+  for (int k = 0; k < KVGroup<D, NW>::PER; ++k) {
+    const int idx = threadIdx.x + k * NW * 32;
+    if (idx >= 2 * 32 * CH) continue;
+    const int kv = idx / (32 * CH), rem = idx - kv * 32 * CH, r = rem / CH, c = rem - r * CH;
+    uint4 v = g.v[k];
+    if (base + r == cur && cur < c1) {
+      const float* src = (kv ? vn : kn) + 8 * c;
+      __half2 h2[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h2[i] = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
+      v = *reinterpret_cast<const uint4*>(h2);
+    }
+    *reinterpret_cast<uint4*>(kt + (idx / CH) * KS + 8 * c) = v;
+  }
+}
+
 // Decode attention of the G query heads of one KV head over positions [c0, c1) (cache rows kv_dim halves
 // apart, the head's dims at `off`) by a block of NW warps: query head h is warp h % NW's. Per group of 32
 // positions the block copies their K and V rows to shared memory (coalesced, all loads in flight at
 // once; rows padded so that lane i can read K row i without bank conflicts), lane i scores position
 // base + i for its warp's head, the group's softmax update is one warp max and one warp sum, and every
 // lane accumulates its D output dims over the group (the weights broadcast by shuffles). Position `cur`
-// (if any) comes from kn/vn (shared memory). Why: with lanes splitting the dims of a position (the loop before this
-// one) every position cost a 5-shuffle reduction per query head and the warps' results a merge; that
-// attend phase took 3.7 us at short contexts. (Lanes reading their K rows from global memory directly,
-// 32 rows per load instruction, measured slower still: 6.7 us.)
-// kt: 64 * (D * 32 + 8) halves of shared memory (K rows, then V rows). Returns, for each of the warp's heads (h = warp + NW i),
+// (if any) comes from kn/vn (shared memory). Why: with lanes splitting the dims of a position (the loop
+// before this one) every position cost a 5-shuffle reduction per query head and the warps' results a
+// merge; that attend phase took 3.7 us at short contexts. (Lanes reading their K rows from global memory
+// directly, 32 rows per load instruction, measured slower still: 6.7 us.)
+// `grp` holds the first group's rows (kv_group_load of c0, issued by the caller); kt: 64 * (D * 32 + 8)
+// halves of shared memory (K rows, then V rows). Returns, for each of the warp's heads (h = warp + NW i),
 // the running max m, normaliser l and this lane's dims lane * D .. + D of the unnormalised output.
 template <int D, int G, int NW>
 __device__ __forceinline__ void attend_heads_block(const float* qs, const __half* kc, const __half* vc, int kv_dim,
                                                    int64_t off, int c0, int c1, int cur, const float* kn,
-                                                   const float* vn, __half* kt, float (&m)[(G + NW - 1) / NW],
-                                                   float (&l)[(G + NW - 1) / NW], float (&acc)[(G + NW - 1) / NW][D]) {
+                                                   const float* vn, KVGroup<D, NW>& grp, __half* kt,
+                                                   float (&m)[(G + NW - 1) / NW], float (&l)[(G + NW - 1) / NW],
+                                                   float (&acc)[(G + NW - 1) / NW][D]) {
   constexpr int HD = D * 32, KS = HD + 8, HPW = (G + NW - 1) / NW, CH = HD / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -83,32 +128,9 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
     for (int d = 0; d < D; ++d) acc[i][d] = 0.f;
   }
   for (int base = c0; base < c1; base += 32) {  // uniform over the block
+    if (base != c0) kv_group_load(grp, kc, vc, kv_dim, off, base, c1, cur);
     __syncthreads();  // the previous group's rows are consumed
-    // the group's K and V rows (those past c1 zero), every thread's loads in flight together
-    constexpr int PER = (2 * 32 * CH + NW * 32 - 1) / (NW * 32);
-    uint4 v[PER];
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int idx = threadIdx.x + k * NW * 32;
-      const int kv = idx / (32 * CH), rem = idx - kv * 32 * CH, r = rem / CH, c = rem - r * CH, p = base + r;
-      v[k] = make_uint4(0u, 0u, 0u, 0u);
-      if (kv < 2 && p < c1) {
-        if (p == cur) {
-          const float* src = (kv ? vn : kn) + 8 * c;
-          __half2 h2[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) h2[i] = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
-          v[k] = *reinterpret_cast<const uint4*>(h2);
-        } else {
-          v[k] = *reinterpret_cast<const uint4*>((kv ? vc : kc) + static_cast<int64_t>(p) * kv_dim + off + 8 * c);
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-      const int idx = threadIdx.x + k * NW * 32;
-      if (idx < 2 * 32 * CH) *reinterpret_cast<uint4*>(kt + (idx / CH) * KS + 8 * (idx % CH)) = v[k];
-    }
+    kv_group_store(grp, kt, base, c1, cur, kn, vn);
     __syncthreads();
     const int j = base + lane, n = min(32, c1 - base);
 #pragma unroll
@@ -218,12 +240,15 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   if (n_split > 1 && chunk < kDecMinChunk) chunk = kDecMinChunk;
   const int n_eff = (len + chunk - 1) / chunk;
   if (sp >= n_eff) return;  // uniform over the block
+  const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
+  KVGroup<D, kWarps> grp;  // the first group's K/V rows: their loads overlap the norm and RoPE below
+  kv_group_load(grp, kc, vc, kv_dim, static_cast<int64_t>(g) * HD, c0, c1, pos);
   float* qs = sm;                   // [G][HD], scaled by 1/sqrt(HD)
   float* kn = qs + G * HD;          // this position's K and V (fp16-rounded, as the cache holds them)
   float* vn = kn + HD;
   float* wm = vn + HD;              // [kWarps][G]
   float* wl = wm + kWarps * G;      // [kWarps][G]
-  float* wacc = wl + kWarps * G;    // the attend phase's K rows, then the merge's scratch
+  float* wacc = wl + kWarps * G;    // the attend phase's K and V rows, then the merge's scratch
   float* cs = wacc + dec_wacc_floats(G, HD);  // RoPE cos, sin of the HD / 2 pairs (every head uses the same)
   float* sn = cs + HD / 2;
   __shared__ bool last;
@@ -251,14 +276,13 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   }
   __syncthreads();
   MOE_TRACE_MARK(2);
-  const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;
   float* out = out_all + g * G * HD;
   constexpr int HPW = (G + kWarps - 1) / kWarps;
   float m[HPW], l[HPW], acc[HPW][D];
-  attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, c1, pos, kn, vn, reinterpret_cast<__half*>(wacc), m,
-                                   l, acc);
+  attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, c1, pos, kn, vn, grp, reinterpret_cast<__half*>(wacc),
+                                   m, l, acc);
 #pragma unroll
   for (int hi = 0; hi < HPW; ++hi) {
     const int h = warp + kWarps * hi;
