@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "moe/forward.hpp"
 #include "moe/model.hpp"
@@ -16,6 +17,11 @@ struct Options {
   quant::ActMode mode = quant::ActMode::fast;  // fast = Q8 activations (production); exact = FP32 (F2 guard)
   quant::ThreadPool* pool = nullptr;           // required; shared with the caller
   int64_t max_batch = 512;                     // tokens per pass; longer evals run in chunks of this
+  // For tests comparing other forwards against this one: when set, every eval appends one value per
+  // position it evaluates, the smallest router margin over the layers whose MoE block ran for it:
+  // log p_k - log p_(k+1) of its router probabilities in descending order (k = n_expert_used; +inf
+  // when every expert is used). A margin near zero is a near-tie that rounding elsewhere may flip.
+  std::vector<float>* router_margins = nullptr;
 };
 
 // A Forward over the model's views. Throws moe::Error: Exit::resources if the KV cache/scratch

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "moe/error.hpp"
@@ -256,6 +257,7 @@ class CpuForward final : public Forward {
     s_.c = &s_.model->config;
     s_.pool = o.pool;
     s_.mode = o.mode;
+    s_.margins_out = o.router_margins;
     const model::ModelConfig& c = *s_.c;
     s_.n_ctx = o.n_ctx > 0 ? o.n_ctx : static_cast<int64_t>(c.context_length);
     if (s_.n_ctx <= 0) fail(Exit::usage, "cpu forward: context size must be positive");
@@ -357,6 +359,7 @@ class CpuForward final : public Forward {
       n_out = 1;
     }
     const int64_t n_layer = c.n_layer;
+    if (s_.margins_out) s_.margin.assign(static_cast<size_t>(n), std::numeric_limits<float>::infinity());
     for (int64_t l = 0; l < n_layer; ++l) {
       const bool last = l == n_layer - 1;
       const int64_t o0 = last ? out0 : 0, no = last ? n_out : n;
@@ -364,6 +367,7 @@ class CpuForward final : public Forward {
       if (no > 0) moe_block(s_, l, o0, no);
     }
     n_past_ += n;
+    if (s_.margins_out) s_.margins_out->insert(s_.margins_out->end(), s_.margin.begin(), s_.margin.end());
     if (!out) return;
     tp = lap_start(s_);
 

@@ -2,6 +2,7 @@
 // and the selected experts' SwiGLU FFNs with the batch's tokens grouped by expert, so that every
 // selected expert's weights stream through the cache once per batch.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "moe/error.hpp"
@@ -94,7 +95,21 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   // Router in FP32 activations (its weights are F32 in every stock file).
   const Proj pr{L.ffn_gate_inp.matrix(), s.router, X};
   project(s, &pr, 1, h, E, n, /*force_exact=*/true);
-  const auto route_token = [&](int64_t t, int) { route(s.router + t * X, X, K, s.sel_id + t * K, s.sel_w + t * K); };
+  const auto route_token = [&](int64_t t, int) {
+    float* probs = s.router + t * X;
+    const int32_t* ids = s.sel_id + t * K;
+    route(probs, X, K, s.sel_id + t * K, s.sel_w + t * K);
+    if (!s.margins_out || K >= X) return;
+    float next = -1.f;  // the largest probability not chosen
+    for (int64_t e = 0; e < X; ++e) {
+      bool taken = false;
+      for (int64_t j = 0; j < K; ++j) taken |= ids[j] == e;
+      if (!taken) next = std::max(next, probs[e]);
+    }
+    const float m = std::log(probs[ids[K - 1]]) - std::log(next);
+    float& row = s.margin[static_cast<size_t>(out0 + t)];
+    row = std::min(row, m);
+  };
   if (n < 8) {
     for (int64_t t = 0; t < n; ++t) route_token(t, 0);
   } else {

@@ -70,6 +70,9 @@ struct State {
   int64_t n_ctx = 0, batch = 0;
   bool profile = false;
   double phase_s[kPhases] = {};
+  // Options::router_margins: this chunk's smallest margin per row (null when not asked for)
+  std::vector<float>* margins_out = nullptr;
+  std::vector<float> margin;
 
   // shared scratch; y (the Wo and MoE outputs) shares h's memory: h is dead by the time either
   // is written (Q/K/V are projected, the experts' inputs gathered)

@@ -114,6 +114,45 @@ TEST_P(Batch, ChunkingAndLastRowOnly) {
   EXPECT_LE(compare_rows(all, a, whole->n_vocab()).max_abs, 2e-3);
 }
 
+// Options::router_margins: one value per evaluated position (last-row-only evals included), >= 0,
+// the same whether the positions run batched, in chunks or one by one.
+TEST_P(Batch, RouterMarginsOnePerPosition) {
+  const std::vector<int32_t> ids = sequence();
+  std::vector<float> whole_m, chunk_m, single_m;
+  moe::cpu::Options o = opts();
+  o.router_margins = &whole_m;
+  auto whole = moe::cpu::make_forward(m_, o);
+  std::vector<float> l;
+  whole->eval(ids, true, l);
+  o = opts(7);
+  o.router_margins = &chunk_m;
+  auto chunked = moe::cpu::make_forward(m_, o);
+  chunked->eval(ids, true, l);
+  // last row only: the other rows skip the last layer's MoE block, so their margins cover fewer layers
+  std::vector<float> last_m;
+  o.router_margins = &last_m;
+  auto last = moe::cpu::make_forward(m_, o);
+  last->eval(ids, false, l);
+  o = opts();
+  o.router_margins = &single_m;
+  auto single = moe::cpu::make_forward(m_, o);
+  token_by_token(*single, ids);
+  ASSERT_EQ(whole_m.size(), ids.size());
+  ASSERT_EQ(chunk_m.size(), ids.size());
+  ASSERT_EQ(single_m.size(), ids.size());
+  ASSERT_EQ(last_m.size(), ids.size());
+  float smallest = std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_GE(whole_m[i], 0.f) << "position " << i;
+    EXPECT_TRUE(std::isfinite(whole_m[i])) << "position " << i;  // the tiny models use fewer experts than they have
+    EXPECT_NEAR(chunk_m[i], whole_m[i], 1e-3) << "position " << i;
+    EXPECT_NEAR(single_m[i], whole_m[i], 1e-3) << "position " << i;
+    EXPECT_GE(last_m[i], whole_m[i] - 1e-3f) << "position " << i;  // a minimum over fewer layers
+    smallest = std::min(smallest, whole_m[i]);
+  }
+  std::printf("[batch] smallest router margin over %zu positions: %.3g\n", ids.size(), smallest);
+}
+
 TEST_P(Batch, ThreadCountDoesNotChangeLogits) {
   const std::vector<int32_t> ids = sequence();
   auto two = moe::cpu::make_forward(m_, opts());

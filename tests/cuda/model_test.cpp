@@ -2,9 +2,12 @@
 // moe-synth model of the Qwen3-30B-A3B layer geometry, prefill (logits at every position), decode
 // through the graph, and greedy decoding.
 //
-// Margin rule: a position's logits must reach cosine >= 0.9999. Greedy tokens must be identical
-// up to the first step whose CPU top-2 logit gap is below 1e-3 of the logit RMS (a near-tie that
-// rounding may flip; after it the sequences may legitimately part).
+// Margin rule: a position's logits must reach cosine >= 0.9999, except where the CPU's router margin
+// (moe::cpu::Options::router_margins: the smallest log p_k - log p_(k+1) over the layers) is below
+// kRouterTie: there the GPU's rounding may pick the other expert in one layer (seen once, cosine
+// 0.99975 on a random-weight model), and the position must reach 0.999. Greedy tokens must be
+// identical up to the first step whose CPU top-2 logit gap is below 1e-3 of the logit RMS (a near-tie
+// that rounding may flip; after it the sequences may legitimately part).
 #include <unistd.h>
 
 #include <cstdlib>
@@ -55,6 +58,9 @@ std::vector<int32_t> prompt(int n, int64_t vocab, uint64_t seed) {
   return ids;
 }
 
+// Router logits differ between the two forwards by ~1e-5 (relative); a margin 10x that is a near-tie.
+constexpr float kRouterTie = 1e-3f;
+
 void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx, const char* decode_path = nullptr) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
@@ -63,6 +69,8 @@ void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx,
   co.n_ctx = n_ctx;
   co.mode = moe::quant::ActMode::exact;
   co.pool = &pool;
+  std::vector<float> margins;
+  co.router_margins = &margins;
   auto cpu = moe::cpu::make_forward(m, co);
   moe::cuda::Options go;
   go.n_ctx = n_ctx;
@@ -80,13 +88,18 @@ void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx,
   cpu->eval(ids, true, lc);
   gpu->eval(ids, true, lg);
   ASSERT_EQ(lg.size(), static_cast<size_t>(n_prompt * V));
+  ASSERT_EQ(margins.size(), static_cast<size_t>(n_prompt));
   double min_cos = 1;
+  int ties = 0;
   for (int p = 0; p < n_prompt; ++p) {
     const double c = cosine(&lc[p * V], &lg[p * V], V);
-    min_cos = std::min(min_cos, c);
-    EXPECT_GE(c, 0.9999) << "prefill position " << p;
+    const bool tie = margins[p] < kRouterTie;
+    ties += tie;
+    if (!tie) min_cos = std::min(min_cos, c);
+    EXPECT_GE(c, tie ? 0.999 : 0.9999) << "prefill position " << p << ", router margin " << margins[p];
   }
-  std::printf("[          ] prefill %d positions: min cosine %.7f\n", n_prompt, min_cos);
+  std::printf("[          ] prefill %d positions: min cosine %.7f (%d router near-ties held to 0.999)\n", n_prompt,
+              min_cos, ties);
   EXPECT_EQ(gpu->n_past(), n_prompt);
 
   // decode: logits through the graph, then greedy
@@ -96,11 +109,12 @@ void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx,
   int compared = 0;
   for (int s = 0; s < n_decode && !tied; ++s) {
     cpu->eval(std::span<const int32_t>(&tok, 1), false, lc);
+    const bool tie = margins.back() < kRouterTie;
     if (s % 2 == 0) {
       gpu->eval(std::span<const int32_t>(&tok, 1), false, lg);
       const double c = cosine(lc.data(), lg.data(), V);
-      min_cos = std::min(min_cos, c);
-      EXPECT_GE(c, 0.9999) << "decode step " << s;
+      if (!tie) min_cos = std::min(min_cos, c);
+      EXPECT_GE(c, tie ? 0.999 : 0.9999) << "decode step " << s << ", router margin " << margins.back();
       EXPECT_EQ(argmax(lg.data(), V), argmax(lc.data(), V)) << "decode step " << s;
     } else {
       EXPECT_EQ(gpu->eval_greedy(tok), argmax(lc.data(), V)) << "greedy step " << s;
