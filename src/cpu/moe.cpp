@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "moe/error.hpp"
 #include "gemm.hpp"
@@ -60,15 +61,21 @@ ExpertInput expert_input(const State& s, quant::Type wt, const float* h, int64_t
 }
 
 // Router probabilities -> top-k ids (descending probability, lower id first on exact ties) and
-// weights renormalised over the selected set (the sum clamped below at 2^-14).
-void route(float* probs, int64_t n_expert, int64_t k, int32_t* ids, float* w) {
+// weights renormalised over the selected set (the sum clamped below at 2^-14). With `margin` (k <
+// n_expert), also log p_k - log p_(k+1): one more round of the selection.
+void route(float* probs, int64_t n_expert, int64_t k, int32_t* ids, float* w, float* margin = nullptr) {
   softmax(probs, n_expert);
-  for (int64_t j = 0; j < k; ++j) {
+  const int64_t rounds = margin && k < n_expert ? k + 1 : k;
+  for (int64_t j = 0; j < rounds; ++j) {
     int64_t best = -1;
     for (int64_t e = 0; e < n_expert; ++e) {
       bool taken = false;
       for (int64_t i = 0; i < j; ++i) taken |= ids[i] == e;
       if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+    }
+    if (j == k) {
+      *margin = std::log(w[k - 1]) - std::log(probs[best]);
+      break;
     }
     ids[j] = static_cast<int32_t>(best);
     w[j] = probs[best];
@@ -96,19 +103,9 @@ void moe_block(State& s, int64_t layer, int64_t out0, int64_t n) {
   const Proj pr{L.ffn_gate_inp.matrix(), s.router, X};
   project(s, &pr, 1, h, E, n, /*force_exact=*/true);
   const auto route_token = [&](int64_t t, int) {
-    float* probs = s.router + t * X;
-    const int32_t* ids = s.sel_id + t * K;
-    route(probs, X, K, s.sel_id + t * K, s.sel_w + t * K);
-    if (!s.margins_out || K >= X) return;
-    float next = -1.f;  // the largest probability not chosen
-    for (int64_t e = 0; e < X; ++e) {
-      bool taken = false;
-      for (int64_t j = 0; j < K; ++j) taken |= ids[j] == e;
-      if (!taken) next = std::max(next, probs[e]);
-    }
-    const float m = std::log(probs[ids[K - 1]]) - std::log(next);
-    float& row = s.margin[static_cast<size_t>(out0 + t)];
-    row = std::min(row, m);
+    float m = std::numeric_limits<float>::infinity();
+    route(s.router + t * X, X, K, s.sel_id + t * K, s.sel_w + t * K, s.margins_out ? &m : nullptr);
+    if (s.margins_out) s.margin[static_cast<size_t>(out0 + t)] = std::min(s.margin[static_cast<size_t>(out0 + t)], m);
   };
   if (n < 8) {
     for (int64_t t = 0; t < n; ++t) route_token(t, 0);
