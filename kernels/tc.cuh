@@ -22,18 +22,15 @@ struct XQ {
   uint2* q;      // [n/32][digit 0..2][t 0..3]: B registers (k = 4t.., k = 16 + 4t..) of 32-element group
   int* sum16;    // [n/16]: sums of X over 16 consecutive elements (the K-quant minimums, Q6_K's -32)
   float* scale;  // [n/256]: s of each group of 256
-  float* cmax;   // [n/128]: staging scratch (max |x| per 128 elements)
 };
 __host__ __device__ inline size_t xq_smem(int n) {
-  return static_cast<size_t>(n) * 3 + static_cast<size_t>(n) / 4 + static_cast<size_t>(n) / 64 +
-         static_cast<size_t>(n) / 32;
+  return static_cast<size_t>(n) * 3 + static_cast<size_t>(n) / 4 + static_cast<size_t>(n) / 64;
 }
 __device__ __forceinline__ XQ carve_xq(void* smem, int n) {
   XQ x;
   x.q = static_cast<uint2*>(smem);
   x.sum16 = reinterpret_cast<int*>(x.q + 3 * n / 8);  // 16-byte aligned: 3n bytes
   x.scale = reinterpret_cast<float*>(x.sum16 + n / 16);
-  x.cmax = x.scale + n / 256;
   return x;
 }
 
@@ -70,13 +67,17 @@ __device__ __forceinline__ void emit_xq(int i, float4 v, float inv, const XQ& xq
 }
 
 // The staging of h = x (or rmsnorm(x) * norm_w) for n elements (n a multiple of 256) in two steps, so
-// that a kernel can start other work in between: stage_load issues the loads of the first R float4s per
-// thread of x and of the gains; stage_finish reduces, quantizes and writes the shared memory, reading
-// any rest (n > 4 R blockDim) again through L2, and ends with a barrier. Ordinary weight loads must not
-// be in flight meanwhile: on an SM with DRAM misses outstanding the staging measured ~3 us slower
-// (kernels prefetch their weights into L2 with bulk_prefetch_l2 instead).
+// that a kernel can start other work in between: stage_load issues the loads of x and of the gains,
+// stage_finish reduces, quantizes and writes the shared memory, ends with a barrier and returns
+// rmsnorm's 1/rms (1 without norm_w; `given` > 0: that 1/rms, known to the caller, without the block's
+// reduction). Group g of 256 elements (64 float4s) belongs to warp g % warps, whose lanes hold float4s
+// lane and 32 + lane of it: a group's largest element is one warp reduction, with no barrier between
+// finding it and quantizing (the groups past R / 2 per warp are read again through L2). Ordinary weight
+// loads must not be in flight meanwhile: on an SM with DRAM misses outstanding the staging measured
+// ~3 us slower (kernels prefetch their weights into L2 with bulk_prefetch_l2 instead).
 template <int R>
 struct XLoad {
+  static_assert(R % 2 == 0, "two float4s per lane and group");
   float4 x[R], w[R];
 };
 template <int R>
@@ -84,11 +85,11 @@ __device__ __forceinline__ void stage_load(const float* __restrict__ x, int n, c
                                            XLoad<R>& l) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
   const float4* w4 = reinterpret_cast<const float4*>(norm_w);
-  const int n4 = n >> 2;
+  const int groups = n >> 8, nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < R; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i < n4) {
+    const int g = warp + (k >> 1) * nw, i = g * 64 + (k & 1) * 32 + lane;
+    if (g < groups) {
       l.x[k] = __ldcg(x4 + i);  // written by other blocks: read through L2
       if (norm_w) l.w[k] = w4[i];
     }
@@ -96,70 +97,53 @@ __device__ __forceinline__ void stage_load(const float* __restrict__ x, int n, c
 }
 
 template <int R>
-__device__ __forceinline__ void stage_finish(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
-                                             float eps, XLoad<R>& l, const XQ& xq, float* red) {
+__device__ __forceinline__ float stage_finish(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
+                                             float eps, XLoad<R>& l, const XQ& xq, float* red, float given = 0.f) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
   const float4* w4 = reinterpret_cast<const float4*>(norm_w);
-  const int n4 = n >> 2, bd = blockDim.x;
-  float scale = 1.f;
-  if (norm_w) {
+  const int groups = n >> 8, nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto sq4 = [](float4 v) { return (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w); };
+  float scale = norm_w && given > 0.f ? given : 1.f;
+  if (norm_w && !(given > 0.f)) {
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < R; ++k)
-      if (threadIdx.x + k * bd < n4)
-        ss += (l.x[k].x * l.x[k].x + l.x[k].y * l.x[k].y) + (l.x[k].z * l.x[k].z + l.x[k].w * l.x[k].w);
-    for (int i = threadIdx.x + R * bd; i < n4; i += bd) {
-      const float4 v = __ldcg(x4 + i);
-      ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-    }
+      if (warp + (k >> 1) * nw < groups) ss += sq4(l.x[k]);
+    for (int g = warp + (R / 2) * nw; g < groups; g += nw)
+      ss += sq4(__ldcg(x4 + g * 64 + lane)) + sq4(__ldcg(x4 + g * 64 + 32 + lane));
     ss = block_sum(ss, red);
     scale = rsqrtf(ss / static_cast<float>(n) + eps);
   }
-  auto norm = [&](float4 v, int i) {
+  auto norm = [&](float4 v, float4 w) {
     if (norm_w) {
-      const float4 w = w4[i];
-      v.x = v.x * scale * w.x;
-      v.y = v.y * scale * w.y;
-      v.z = v.z * scale * w.z;
-      v.w = v.w * scale * w.w;
+      v.x *= scale * w.x;
+      v.y *= scale * w.y;
+      v.z *= scale * w.z;
+      v.w *= scale * w.w;
     }
     return v;
   };
   auto amax4 = [](float4 v) { return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))); };
-  // n4 and bd are multiples of 32: each warp is either wholly inside or wholly past n4, and covers
-  // one 128-element chunk (float4s 32c .. 32c + 31) per step
-#pragma unroll
-  for (int k = 0; k < R; ++k) {
-    const int i = threadIdx.x + k * bd;
-    if (i < n4) {
-      if (norm_w) {
-        l.x[k].x *= scale * l.w[k].x;
-        l.x[k].y *= scale * l.w[k].y;
-        l.x[k].z *= scale * l.w[k].z;
-        l.x[k].w *= scale * l.w[k].w;
-      }
-      const float m = warp_max(amax4(l.x[k]));
-      if ((i & 31) == 0) xq.cmax[i >> 5] = m;
-    }
-  }
-  for (int i = threadIdx.x + R * bd; i < n4; i += bd) {
-    const float m = warp_max(amax4(norm(__ldcg(x4 + i), i)));
-    if ((i & 31) == 0) xq.cmax[i >> 5] = m;
-  }
-  __syncthreads();
-  auto inv_of = [&](int i) {  // 1/s of float4 i's group of 256 (64 float4s); its first thread stores s
-    const int grp = i >> 6;
-    const float m = fmaxf(xq.cmax[2 * grp], xq.cmax[2 * grp + 1]);
-    if ((i & 63) == 0) xq.scale[grp] = m / kXMax;
-    return m > 0.f ? kXMax / m : 0.f;
+  // one group by the whole warp: its largest |h|, its scale, its B registers and 16-element sums
+  auto emit_group = [&](int g, float4 a, float4 b) {
+    const float m = warp_max(fmaxf(amax4(a), amax4(b)));
+    if (lane == 0) xq.scale[g] = m / kXMax;
+    const float inv = m > 0.f ? kXMax / m : 0.f;
+    emit_xq(g * 64 + lane, a, inv, xq);
+    emit_xq(g * 64 + 32 + lane, b, inv, xq);
   };
 #pragma unroll
-  for (int k = 0; k < R; ++k) {
-    const int i = threadIdx.x + k * bd;
-    if (i < n4) emit_xq(i, l.x[k], inv_of(i), xq);
+  for (int k = 0; k < R; k += 2) {
+    const int g = warp + (k >> 1) * nw;
+    if (g < groups) emit_group(g, norm(l.x[k], l.w[k]), norm(l.x[k + 1], l.w[k + 1]));
   }
-  for (int i = threadIdx.x + R * bd; i < n4; i += bd) emit_xq(i, norm(__ldcg(x4 + i), i), inv_of(i), xq);
+  for (int g = warp + (R / 2) * nw; g < groups; g += nw) {
+    const int i = g * 64 + lane;
+    const float4 wa = norm_w ? w4[i] : float4{}, wb = norm_w ? w4[i + 32] : float4{};
+    emit_group(g, norm(__ldcg(x4 + i), wa), norm(__ldcg(x4 + i + 32), wb));
+  }
   __syncthreads();
+  return scale;
 }
 
 // ---- the MMA ----------------------------------------------------------------------------------------
