@@ -288,9 +288,8 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
                                                                           const float* rope_cs) {
   extern __shared__ float sm[];
   MOE_TRACE_SCOPE(4);
-  pdl_sync();
   attention_decode_item<D, G>(blockIdx.x, blockIdx.y, qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split,
-                              partials, counters, out_all, rope_cs, sm);
+                              partials, counters, out_all, rope_cs, sm, true);  // waits after its first loads
 }
 
 template <int HD, int G>

@@ -109,7 +109,9 @@ __device__ __forceinline__ void kv_group_store(const KVGroup<D, NW>& g, __half* 
 // before this one) every position cost a 5-shuffle reduction per query head and the warps' results a
 // merge; that attend phase took 3.7 us at short contexts. (Lanes reading their K rows from global memory
 // directly, 32 rows per load instruction, measured slower still: 6.7 us.)
-// `grp` holds the first group's rows (kv_group_load of c0, issued by the caller); kt: 64 * (D * 32 + 8)
+// `grp` holds the first group's rows (kv_group_load of c0, issued by the caller); each next group's loads
+// are issued once the current one is in shared memory, so they are in flight while it is scored
+// (BM_Decode/4096 343-344 vs 335-336 tok/s, same call); kt: 64 * (D * 32 + 8)
 // halves of shared memory (K rows, then V rows). Returns, for each of the warp's heads (h = warp + NW i),
 // the running max m, normaliser l and this lane's dims lane * D .. + D of the unnormalised output.
 template <int D, int G, int NW>
@@ -128,10 +130,11 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
     for (int d = 0; d < D; ++d) acc[i][d] = 0.f;
   }
   for (int base = c0; base < c1; base += 32) {  // uniform over the block
-    if (base != c0) kv_group_load(grp, kc, vc, kv_dim, off, base, c1, cur);
     __syncthreads();  // the previous group's rows are consumed
     kv_group_store(grp, kt, base, c1, cur, kn, vn);
     __syncthreads();
+    // the next group's loads in flight while this one is scored
+    if (base + 32 < c1) kv_group_load(grp, kc, vc, kv_dim, off, base + 32, c1, cur);
     const int j = base + lane, n = min(32, c1 - base);
 #pragma unroll
     for (int hi = 0; hi < HPW; ++hi) {
@@ -229,7 +232,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
                                                       const float* q_norm, const float* k_norm, float eps,
                                                       const Rope& rope, __half* kc, __half* vc, int n_head_kv,
                                                       int n_split, float* partials, int* counters, float* out_all,
-                                                      const float* rope_cs, float* sm) {
+                                                      const float* rope_cs, float* sm, bool wait_prev) {
   constexpr int HD = D * 32, PS = HD + 2, kWarps = kDecWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
@@ -258,6 +261,10 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   } else {
     for (int i = threadIdx.x; i < HD / 2; i += blockDim.x) rope_cos_sin(i, pos, rope, cs[i], sn[i]);
   }
+  // everything above reads what was complete before the previous kernel started (the position, the
+  // cache rows of earlier positions, the token's RoPE table): with programmatic dependent launch it
+  // overlaps the previous kernel's tail; q, k, v below are that kernel's output
+  if (wait_prev) pdl_sync();
   __syncthreads();
   for (int h = warp; h < G; h += kWarps)
     norm_rope_warp<HD>(row + (g * G + h) * HD, q_norm, cs, sn, eps, rsqrtf(static_cast<float>(HD)), qs + h * HD);

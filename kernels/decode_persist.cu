@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) persist_kernel(PersistArgs a) {
       att::attention_decode_item<D, G>(item % a.n_head_kv, item / a.n_head_kv, a.qkv, a.pos, L.q_norm, L.k_norm,
                                        a.eps, a.rope, static_cast<__half*>(L.k_cache), static_cast<__half*>(L.v_cache),
                                        a.n_head_kv, a.n_split, a.partials, a.counters, a.o, a.rope_cs,
-                                       reinterpret_cast<float*>(Wb));
+                                       reinterpret_cast<float*>(Wb), false);
     }
     sync();
     // C: x += Wo · o
