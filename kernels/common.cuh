@@ -213,23 +213,11 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
   __syncwarp();
 }
 
-// The experts of one token chosen by a whole block (blockDim a multiple of 64, >= 64) from its router
-// logits in global memory (n <= kMaxExperts, written by the previous kernel; s_logit holds n floats of
-// shared memory): each expert's rank among the logits counted in parallel (ties to the lower id), the k
-// best in rank order to s_id; with `weights` (block-uniform) also their weights to s_w: the softmax
-// over all n renormalised over the chosen k, i.e. exp(l_j - l_max) / Σ_chosen exp(l - l_max) (the
-// softmax's denominator cancels; llama.cpp's clamp of the chosen sum at 2^-14 cannot apply, as the
-// largest probability is at least 1/n). On return (after a barrier) every thread sees s_id[0..k) (and
-// s_w). Ranking the logits themselves orders exactly as double-precision probabilities do (float ones
-// can round two different logits to a tie); each block of the expert kernels runs it itself: no block
-// has to wait for a last one (a last block's tail measured slower, docs/PERFORMANCE.md version 8).
 constexpr int kMaxExperts = 1024;
-__device__ __forceinline__ void choose_experts(const float* logits, int n, int k, float* s_logit, int32_t* s_id,
-                                               float* s_w, bool weights) {
-  const int lane = threadIdx.x & 31;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) s_logit[i] = __ldcg(logits + i);
-  if (static_cast<int>(threadIdx.x) < k) s_id[threadIdx.x] = 0;  // a valid id even for NaN logits
-  __syncthreads();
+// The ranking itself: s_logit[0..n) in shared memory (visible: written before a barrier), s_id[0..k)
+// holding valid ids (a NaN logit is never ranked). Writes s_id and s_w (the chosen logits) in rank order
+// and ends with a barrier.
+__device__ __forceinline__ void rank_experts(const float* s_logit, int n, int k, int32_t* s_id, float* s_w) {
   // rank of element i = the number of elements before it; two lanes per element split the comparisons
   // (four running counts each, so that the adds do not form one long chain)
   const int half = (n + 1) >> 1;
@@ -260,22 +248,45 @@ __device__ __forceinline__ void choose_experts(const float* logits, int n, int k
     }
   }
   __syncthreads();
+}
+// The weights of the chosen (one warp, k <= 64): out[j] = exp(c (l_j - l_0)) / Σ_j' exp(c (l_j' - l_0))
+// for the chosen logits l in rank order in s_w; c > 0 scales every logit (1 when they are final). out may
+// be s_w itself.
+__device__ __forceinline__ void expert_weights_warp(const float* s_w, int k, float c, float* out) {
+  const int lane = threadIdx.x & 31;
+  const float top = s_w[0];
+  const float e0 = lane < k ? expf(c * (s_w[lane] - top)) : 0.f;
+  const float e1 = lane + 32 < k ? expf(c * (s_w[lane + 32] - top)) : 0.f;
+  const float inv = 1.f / warp_sum(e0 + e1);
+  __syncwarp();
+  if (lane < k) out[lane] = e0 * inv;
+  if (lane + 32 < k) out[lane + 32] = e1 * inv;
+}
+// The experts of one token chosen by a whole block (blockDim a multiple of 64, >= 64) from its router
+// logits in global memory (n <= kMaxExperts, written by the previous kernel; s_logit holds n floats of
+// shared memory): each expert's rank among the logits counted in parallel (ties to the lower id), the k
+// best in rank order to s_id; with `weights` (block-uniform) also their weights to s_w: the softmax
+// over all n renormalised over the chosen k, i.e. exp(l_j - l_max) / Σ_chosen exp(l - l_max) (the
+// softmax's denominator cancels; llama.cpp's clamp of the chosen sum at 2^-14 cannot apply, as the
+// largest probability is at least 1/n). On return (after a barrier) every thread sees s_id[0..k) (and
+// s_w). Ranking the logits themselves orders exactly as double-precision probabilities do (float ones
+// can round two different logits to a tie); each block of the expert kernels runs it itself: no block
+// has to wait for a last one (a last block's tail measured slower, docs/PERFORMANCE.md version 8).
+__device__ __forceinline__ void choose_experts(const float* logits, int n, int k, float* s_logit, int32_t* s_id,
+                                               float* s_w, bool weights) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s_logit[i] = __ldcg(logits + i);
+  if (static_cast<int>(threadIdx.x) < k) s_id[threadIdx.x] = 0;  // a valid id even for NaN logits
+  __syncthreads();
+  rank_experts(s_logit, n, k, s_id, s_w);
   if (!weights) return;
-  if (threadIdx.x < 32) {
-    const float top = s_w[0];
-    const float e0 = lane < k ? expf(s_w[lane] - top) : 0.f, e1 = lane + 32 < k ? expf(s_w[lane + 32] - top) : 0.f;
-    const float inv = 1.f / warp_sum(e0 + e1);
-    __syncwarp();
-    if (lane < k) s_w[lane] = e0 * inv;
-    if (lane + 32 < k) s_w[lane + 32] = e1 * inv;
-  }
+  if (threadIdx.x < 32) expert_weights_warp(s_w, k, 1.f, s_w);
   __syncthreads();
 }
 
 }  // namespace moe::cuda::dev
 
 namespace moe::cuda::k {
-bool pdl_enabled();  // MOE_CUDA_PDL=1 (see gemv.cu)
+bool pdl_enabled();  // on unless MOE_CUDA_PDL=0 (see gemv.cu)
 
 // cudaLaunchKernelEx with at most one launch attribute (none when attr is null).
 template <typename... KArgs, typename... Args>

@@ -475,8 +475,8 @@ __global__ void __launch_bounds__(kThreads, 2) expert_down_kernel(Mat D, const f
   float* sum16 = xs + D.cols * n_used;
   const int lane = threadIdx.x & 31;
   const int n_tiles = (D.rows + NR - 1) / NR;
-  // the routing (two kernels back) is complete: fetch the chosen experts' rows while the gate/up
-  // kernel finishes
+  // the routing comes from the previous kernel (the gate/up kernel's block 0): only after the wait
+  pdl_sync();
   if (threadIdx.x < n_used) {
     sid[threadIdx.x] = ids[threadIdx.x];
     sw[threadIdx.x] = weights[threadIdx.x];
@@ -488,7 +488,6 @@ __global__ void __launch_bounds__(kThreads, 2) expert_down_kernel(Mat D, const f
     for (int j = 0; j < n_used; ++j)
       prefetch_l2(D.data + sid[j] * D.expert_stride + r0 * D.row_stride, nr * D.row_stride, lane);
   }
-  pdl_sync();
   stage_x(act, D.cols * n_used, nullptr, 0.f, xs, sum16, red);
   for (int tile = first; tile < n_tiles; tile += gridDim.x * kWarps) {
     const int r0 = tile * NR;
@@ -524,13 +523,14 @@ size_t x_smem(int n) { return static_cast<size_t>(n + n / 16) * sizeof(float); }
 
 }  // namespace
 
-// Off by default: on the H200 a benchmark that launched the expert gate/up kernel back to back with
-// the attribute stopped making progress (not understood yet), while the captured decode graph ran
-// and matched the CPU. MOE_CUDA_PDL=1 turns it on for measurements.
+// On by default (MOE_CUDA_PDL=0 turns it off): BM_Decode/0 476-477 vs 450 tok/s without (same binary,
+// same call). It was off until the SIMT expert down kernel stopped reading the routing before its wait
+// (the choice had moved into the gate/up kernel, one step back, so PDL raced there). The "hang" of
+// an expert benchmark that kept it off was the benchmark's host-side setup (no kernel was running).
 bool pdl_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MOE_CUDA_PDL");
-    return v && v[0] == '1';
+    return !(v && v[0] == '0');
   }();
   return on;
 }
@@ -581,7 +581,7 @@ cudaError_t ensure_init() {
 }
 
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                 cudaStream_t s, const L2Hint* hint) {
+                 cudaStream_t s, const L2Hint* hint, const RouterAcc* prep) {
   if (n_outs < 1 || n_outs > 3) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   bool tc = tc_enabled();
@@ -590,7 +590,12 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
     tc = tc && tc_type(outs[i].W.type);
     rows_total += outs[i].W.rows;
   }
-  if (tc) return tc_gemv(gemv_args(outs, n_outs, x, norm_w, eps, accumulate, 16, hint), s);
+  if (prep && (!tc || !norm_w || !prep->acc || !prep->ref || prep->n < 0)) return cudaErrorInvalidValue;
+  if (tc) {
+    GemvArgs a = gemv_args(outs, n_outs, x, norm_w, eps, accumulate, 16, hint);
+    if (prep) a.prep = *prep;
+    return tc_gemv(a, s);
+  }
   // four rows per warp when that still gives every SM about eight warps, else two
   const bool four = rows_total / 4 >= 8 * sm_count();
   const GemvArgs a = gemv_args(outs, n_outs, x, norm_w, eps, accumulate, four ? 4 : 2, hint);
@@ -608,6 +613,43 @@ cudaError_t route_token(const float* x, const float* norm_w, float eps, const Ma
                         cudaStream_t s) {
   if (cudaError_t e = ensure_init()) return e;
   return launch_pdl(route_kernel, dim3(R.rows), dim3(kRouteThreads), 0, s, x, norm_w, eps, R, h_out, logits);
+}
+
+namespace {
+bool o_router_ok(const Mat& O, const Mat& R) {
+  return tc_enabled() && tc_type(O.type) && R.type == layout::F32 && R.cols == O.rows && R.rows >= 1 &&
+         R.rows <= 256 && R.row_stride % 16 == 0;
+}
+}  // namespace
+
+bool router_in_o_proj_supported(const LayerWeights& L, int n_used) {
+  return o_router_ok(L.o, L.router) && tc_type(L.q.type) && tc_type(L.k.type) && tc_type(L.v.type) &&
+         tc_type(L.gate.type) && tc_type(L.up.type) && L.gate.rows == L.up.rows && L.gate.cols == L.up.cols &&
+         L.gate.cols == L.o.rows && L.q.cols == L.o.rows && n_used >= 1 && n_used <= 64 && n_used <= L.router.rows;
+}
+
+cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
+                          const RouterAcc& acc, cudaStream_t s) {
+  if (!o_router_ok(O, R) || acc.n != R.rows || !acc.acc || !acc.ref || !norm_w)
+    return cudaErrorInvalidValue;
+  if (cudaError_t e = ensure_init()) return e;
+  const GemvOut out{O, x};
+  GemvArgs a = gemv_args(&out, 1, o, nullptr, 0.f, true, 16, nullptr);
+  a.racc = acc;
+  a.router = reinterpret_cast<const float*>(R.data);
+  a.router_stride = R.row_stride / 4;
+  a.router_norm = norm_w;
+  return tc_gemv(a, s);
+}
+
+cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
+                               const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
+                               cudaStream_t s) {
+  if (acc.n < 1 || acc.n > 256 || n_used < 1 || n_used > 64 || n_used > acc.n || !acc.acc || !acc.ref || !norm_w ||
+      !tc_enabled() || !tc_type(G.type) || !tc_type(U.type) || G.cols != U.cols || G.rows != U.rows)
+    return cudaErrorInvalidValue;
+  if (cudaError_t e = ensure_init()) return e;
+  return tc_gate_up_acc(G, U, x, norm_w, eps, acc, n_used, ids, weights, act, s);
 }
 
 cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,

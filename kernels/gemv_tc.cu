@@ -35,9 +35,63 @@ namespace {
 // four warps with the next super-block's loads pipelined (BM_Decode/0 332 vs 321 tok/s).
 constexpr int NW = 8;
 
+// The router's columns of one tile for the O projection with the routing (o_proj_router): thread c < n
+// the 16 weights R[c][r0..r0+15], thread i < 16 the gain of row r0 + i. Weights: loaded before they are
+// needed, while the tile's MMAs run.
+struct RouterCols {
+  float4 w[4];
+  float gain;
+};
+__device__ __forceinline__ void load_router_cols(const GemvArgs& a, int rows, int r0, RouterCols& rc) {
+  const int c = threadIdx.x;
+  if (c < a.racc.n) {
+    const float* p = a.router + c * a.router_stride + r0;
+    if (r0 + 16 <= rows) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) rc.w[q] = __ldg(reinterpret_cast<const float4*>(p) + q);
+    } else {
+      float* f = reinterpret_cast<float*>(rc.w);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) f[i] = r0 + i < rows ? __ldg(p + i) : 0.f;
+    }
+  }
+  if (c < 16) rc.gain = r0 + c < rows ? __ldg(a.router_norm + r0 + c) : 0.f;
+}
+
+// a.racc.acc[c] += the tile's Σ_i R[c][r0 + i] s_y[i] and acc[n] += Σ_i y_i² (y_i = the new x of the
+// tile's rows, held by lanes 0-15 of warp 0), in fixed point (launch.cuh: units of 2^-32 ref and
+// 2^-32 ref²). ref is read here, not at its load: its L2 round trip is then hidden behind the MMAs. The
+// clamps keep a sum of up to 512 partials inside int64 whatever the input.
+__device__ __forceinline__ float ref_or_one(float ref) { return ref > 0.f && ref < INFINITY ? ref : 1.f; }
+__device__ __forceinline__ long long to_fixed(float v) {
+  return __float2ll_rn(fminf(fmaxf(v, -1.8e16f), 1.8e16f));  // 2^54 = 1.8e16
+}
+__device__ __forceinline__ void add_router_partial(const GemvArgs& a, const RouterCols& rc, const float* s_y,
+                                                   float y, float ref) {
+  ref = ref_or_one(ref);
+  const float unit = 4294967296.f / ref;
+  unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.racc.acc);
+  if (threadIdx.x < 32) {
+    float q = threadIdx.x < 16 ? y * y : 0.f;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+    if (threadIdx.x == 0) atomicAdd(acc + a.racc.n, static_cast<unsigned long long>(to_fixed(q * unit / ref)));
+  }
+  if (static_cast<int>(threadIdx.x) >= a.racc.n) return;
+  const float* f = reinterpret_cast<const float*>(rc.w);
+  float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    p0 = fmaf(f[i], s_y[i], p0);
+    p1 = fmaf(f[i + 1], s_y[i + 1], p1);
+  }
+  atomicAdd(acc + threadIdx.x, static_cast<unsigned long long>(to_fixed((p0 + p1) * unit)));
+}
+
 template <uint32_t T, bool kPipe>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
-                                             float (*part)[16]) {
+                                             float (*part)[16], bool route, const RouterCols& rc, float* s_y,
+                                             float ref) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const uint8_t* rg = W.data + min(r0 + g, W.rows - 1) * W.row_stride;
   const uint8_t* r8 = W.data + min(r0 + g + 8, W.rows - 1) * W.row_stride;
@@ -47,14 +101,20 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
   MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
-  if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < W.rows) {
-    float v = 0.f;
+  float nv = 0.f;
+  if (threadIdx.x < 16) {
+    if (r0 + static_cast<int>(threadIdx.x) < W.rows) {
+      float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) v += part[w][threadIdx.x];
-    float* yr = y + r0 + threadIdx.x;
-    *yr = a.accumulate ? *yr + v : v;
+      for (int w = 0; w < NW; ++w) v += part[w][threadIdx.x];
+      float* yr = y + r0 + threadIdx.x;
+      nv = a.accumulate ? *yr + v : v;
+      *yr = nv;
+    }
+    if (route) s_y[threadIdx.x] = nv * rc.gain;
   }
-  __syncthreads();  // part is reused by the next tile
+  __syncthreads();  // part (and s_y) are reused by the next tile
+  if (route) add_router_partial(a, rc, s_y, nv, ref);
 }
 
 // Every kernel here first has the SM's TMA pull its weight rows into L2 (bulk_prefetch_l2: the loads of
@@ -63,11 +123,14 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // R: float4s of x per thread held in registers while staging (2: up to 2,048 columns, three blocks per
 // SM; 4: up to 4,096 — the O projection, whose 128 tiles leave one block per SM, so its warps can
 // afford to load their second super-block while multiplying the first).
-template <int R>
-__global__ void __launch_bounds__(NW * 32, R == 2 ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
+// kRoute: the O projection with the router's partial sums (o_proj_router; a.router set), one block per
+// SM (its tiles, n_embd / 16, fit one wave) so that the router's columns have registers.
+template <int R, bool kRoute>
+__global__ void __launch_bounds__(NW * 32, R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[NW][16];
+  __shared__ float s_y[16];
   MOE_TRACE_SCOPE(1);
   const XQ xq = carve_xq(smem, a.cols);
   const int total = a.tiles_before[a.n_outs];
@@ -85,28 +148,61 @@ __global__ void __launch_bounds__(NW * 32, R == 2 ? 3 : 1) tc_gemv_kernel(GemvAr
     const Mat& W = a.outs[m].W;
     bulk_prefetch_l2(W.data + r * W.row_stride, static_cast<uint32_t>(min(16, W.rows - r) * W.row_stride));
   };
-  pdl_sync();
-  XLoad<R> xl;
-  stage_load<R>(a.x, a.cols, a.norm_w, xl);  // x first: its loads overlap the tile lookup of the prefetch
+  // o_proj_router (one matrix): the router's columns of the first tile are loaded before the wait
+  constexpr bool route = kRoute;
+  RouterCols rc;
+  if (route && blockIdx.x < total) load_router_cols(a, a.outs[0].W.rows, blockIdx.x * 16, rc);
+  // the weights and the KV-cache rows of earlier positions do not depend on the previous kernel: with
+  // programmatic dependent launch they go to L2 while it runs
   prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
+  pdl_sync();
+  XLoad<R> xl;
+  stage_load<R>(a.x, a.cols, a.norm_w, xl);
+  const float ref = kRoute ? __ldcg(a.racc.ref) : 0.f;  // the unit of the router's sums (used after the MMAs)
   MOE_TRACE_MARK(1);
   prefetch(blockIdx.x + gridDim.x);
   MOE_TRACE_MARK(2);
-  stage_finish<R>(a.x, a.cols, a.norm_w, a.eps, xl, xq, red);
+  const float scale = stage_finish<R>(a.x, a.cols, a.norm_w, a.eps, xl, xq, red);
+  if (a.prep.acc && blockIdx.x == 0) {  // the O projection's router sums start from zero (launch.cuh)
+    for (int c = threadIdx.x; c <= a.prep.n; c += blockDim.x) a.prep.acc[c] = 0;
+    if (threadIdx.x == 0) *a.prep.ref = 1.f / scale;
+  }
   MOE_TRACE_MARK(3);
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     prefetch(tile + 2 * gridDim.x);
     int m;
     const int r0 = find(tile, m);
     const Mat& W = a.outs[m].W;
+    if (route && tile != blockIdx.x) load_router_cols(a, W.rows, r0, rc);
+    float* y = a.outs[m].y;
     switch (W.type) {
-      case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2)>(a, W, a.outs[m].y, r0, xq, part); break;
-      case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2)>(a, W, a.outs[m].y, r0, xq, part); break;
-      case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2)>(a, W, a.outs[m].y, r0, xq, part); break;
+      case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2)>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+      case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2)>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+      case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2)>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
       default: break;
     }
   }
+}
+
+// ---- the choice from o_proj_router's sums (the gate/up kernel) --------------------------------------
+// s_logit[c] = the sums as floats (their unit cancels in the ranking), the n_used best in rank order to
+// s_id and their sums to s_w (rank_experts), *s_scale = rmsnorm's 1/rms of x from Σ x² (x of n_x
+// elements) and *s_unit = 2^-32 ref, the sums' unit: the logits are s_w * s_unit * s_scale. Ends with
+// a barrier.
+__device__ __forceinline__ void choose_from_sums(const long long* __restrict__ racc, const float* __restrict__ ref,
+                                                 int n, int n_used, int n_x, float eps, float* s_logit, int32_t* s_id,
+                                                 float* s_w, float* s_scale, float* s_unit) {
+  if (threadIdx.x == 0) {
+    const float rf = ref_or_one(__ldcg(ref));
+    const float ss = __ll2float_rn(__ldcg(racc + n)) * 2.3283064365386963e-10f * rf * rf;
+    *s_scale = rsqrtf(ss / static_cast<float>(n_x) + eps);
+    *s_unit = rf * 2.3283064365386963e-10f;
+  }
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s_logit[i] = __ll2float_rn(__ldcg(racc + i));
+  if (static_cast<int>(threadIdx.x) < n_used) s_id[threadIdx.x] = 0;  // a valid id even for NaN sums
+  __syncthreads();
+  rank_experts(s_logit, n, n_used, s_id, s_w);
 }
 
 // ---- experts ------------------------------------------------------------------------------------------
@@ -116,9 +212,15 @@ __global__ void __launch_bounds__(NW * 32, R == 2 ? 3 : 1) tc_gemv_kernel(GemvAr
 // The Mat parameters are __grid_constant__: a kernel that takes a reference to a by-value struct
 // parameter (M = up ? U : G) otherwise gets a copy of it in local memory, written by every thread at
 // its start (104 bytes of stack here; without it BM_Decode/0 389-390 vs 376-379 tok/s, same call).
+// kAcc: the logits come as o_proj_router's fixed-point sums (launch.cuh) and h = rmsnorm(x) * norm_w is
+// staged here, with rmsnorm's 1/rms from the sums' Σ x² (no block reduction); that scale multiplies the
+// logits for the weights only (the ranking does not depend on it).
+template <bool kAcc>
 __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constant__ Mat G, const __grid_constant__ Mat U,
-                                                         const float* __restrict__ h,
-                                                         const float* __restrict__ logits, int n_expert, int n_used,
+                                                         const float* __restrict__ h, const float* __restrict__ norm_w,
+                                                         float eps, const float* __restrict__ logits,
+                                                         const long long* __restrict__ racc,
+                                                         const float* __restrict__ ref, int n_expert, int n_used,
                                                          int32_t* ids_out, float* w_out, float* act) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
@@ -132,14 +234,20 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   const XQ xq = carve_xq(smem, G.cols);
   pdl_sync();  // the router logits and h come from the previous kernel
   XLoad<2> xl;
-  stage_load<2>(h, G.cols, nullptr, xl);
+  stage_load<2>(h, G.cols, kAcc ? norm_w : nullptr, xl);
   MOE_TRACE_MARK(1);
-  choose_experts(logits, n_expert, n_used, s_logit, s_id, s_w, blockIdx.x == 0);
-  MOE_TRACE_MARK(2);
-  if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {  // for the down kernel
-    ids_out[threadIdx.x] = s_id[threadIdx.x];
-    w_out[threadIdx.x] = s_w[threadIdx.x];
+  __shared__ float s_scale, s_unit;  // kAcc: rmsnorm's 1/rms from the sum of squares, the sums' unit 2^-32 ref
+  if constexpr (kAcc) {
+    choose_from_sums(racc, ref, n_expert, n_used, G.cols, eps, s_logit, s_id, s_w, &s_scale, &s_unit);
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) ids_out[threadIdx.x] = s_id[threadIdx.x];
+  } else {
+    choose_experts(logits, n_expert, n_used, s_logit, s_id, s_w, blockIdx.x == 0);
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {  // for the down kernel
+      ids_out[threadIdx.x] = s_id[threadIdx.x];
+      w_out[threadIdx.x] = s_w[threadIdx.x];
+    }
   }
+  MOE_TRACE_MARK(2);
   const int e = s_id[j];
   // the tile's gate rows (lane 0) and up rows (lane 1), each one bulk prefetch: 32 of one row each took
   // 1.4 us to issue (trace), two 0.4 us (BM_Decode/0 +1 %)
@@ -149,7 +257,8 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
                      static_cast<uint32_t>(min(16, P.rows - r0) * P.row_stride));
   }
   MOE_TRACE_MARK(3);
-  stage_finish<2>(h, G.cols, nullptr, 0.f, xl, xq, red);
+  stage_finish<2>(h, G.cols, kAcc ? norm_w : nullptr, eps, xl, xq, red, kAcc ? s_scale : 0.f);
+  if (kAcc && blockIdx.x == 0 && warp == 0) expert_weights_warp(s_w, n_used, s_unit * s_scale, w_out);
   MOE_TRACE_MARK(4);
   const bool up = warp >= 4;
   const Mat& M = up ? U : G;
@@ -193,8 +302,9 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   XLoad<4> xl;
   stage_load<4>(act, n, nullptr, xl);
   MOE_TRACE_MARK(1);
-  // the routing is two kernels back: the tile's rows of each chosen expert (consecutive) go to L2 now,
-  // one bulk prefetch per expert
+  // the routing comes from the gate/up kernel (its block 0): the tile's rows of each chosen expert
+  // (consecutive) go to L2 now, one bulk prefetch per expert. (Each block making the choice itself from
+  // o_proj_router's sums before the wait measured slower: 461-464 vs 476-477 tok/s.)
   if (static_cast<int>(threadIdx.x) < n_used) {
     const int id = ids[threadIdx.x];
     sid[threadIdx.x] = id;
@@ -220,8 +330,9 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
 
 __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __grid_constant__ Mat D,
                                                                      const float* __restrict__ act,
-                                                      const int32_t* __restrict__ ids,
-                                                      const float* __restrict__ weights, int n_used, float* x) {
+                                                                     const int32_t* __restrict__ ids,
+                                                                     const float* __restrict__ weights, int n_used,
+                                                                     float* x) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kDownWarps][16];
@@ -249,9 +360,12 @@ bool tc_enabled() {
 cudaError_t tc_init() {
   const int big = 200 * 1024;
   cudaError_t e;
-  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
-  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
-  if ((e = cudaFuncSetAttribute(tc_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   return cudaSuccess;
 }
@@ -262,8 +376,11 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   // at most two waves of blocks (three per SM); the LM head's blocks then loop over many tiles (one,
   // two or sixteen waves measured the same)
   const dim3 grid(std::min(a.tiles_before[a.n_outs], 2 * 3 * sm_count()));
-  if (a.cols <= 2 * 4 * NW * 32) return launch_pdl(tc_gemv_kernel<2>, grid, dim3(NW * 32), xq_smem(a.cols), s, a);
-  return launch_pdl(tc_gemv_kernel<4>, grid, dim3(NW * 32), xq_smem(a.cols), s, a);
+  const size_t smem = xq_smem(a.cols);
+  const bool two = a.cols <= 2 * 4 * NW * 32;
+  const dim3 block(NW * 32);
+  if (a.router) return launch_pdl(two ? tc_gemv_kernel<2, true> : tc_gemv_kernel<4, true>, grid, block, smem, s, a);
+  return launch_pdl(two ? tc_gemv_kernel<2, false> : tc_gemv_kernel<4, false>, grid, block, smem, s, a);
 }
 
 cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
@@ -271,16 +388,27 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
   const int tiles = (G.rows + 15) / 16;
-  return launch_pdl(tc_gate_up_kernel, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h, logits, n_expert,
-                    n_used, ids, weights, act);
+  return launch_pdl(tc_gate_up_kernel<false>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h,
+                    static_cast<const float*>(nullptr), 0.f, logits, static_cast<const long long*>(nullptr),
+                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act);
+}
+
+cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
+                           const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s) {
+  static const cudaError_t init = tc_init();
+  if (init != cudaSuccess) return init;
+  const int tiles = (G.rows + 15) / 16;
+  return launch_pdl(tc_gate_up_kernel<true>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, x, norm_w, eps,
+                    static_cast<const float*>(nullptr), static_cast<const long long*>(acc.acc),
+                    static_cast<const float*>(acc.ref), acc.n, n_used, ids, weights, act);
 }
 
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
                     cudaStream_t s) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
-  return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(kDownWarps * 32), xq_smem(D.cols * n_used), s, D, act, ids,
-                    weights, n_used, x);
+  return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(kDownWarps * 32), xq_smem(D.cols * n_used), s, D,
+                    act, ids, weights, n_used, x);
 }
 
 }  // namespace moe::cuda::k

@@ -22,6 +22,11 @@ struct GemvArgs {
   int cols;
   int accumulate;
   L2Hint hint;
+  RouterAcc prep;                 // Q/K/V: block 0 writes ref and zeroes acc (launch.cuh)
+  RouterAcc racc;                 // O: the router's partial sums go to racc.acc (o_proj_router)
+  const float* router = nullptr;  // F32, racc.n rows of the output's length, router_stride floats apart
+  int64_t router_stride = 0;
+  const float* router_norm = nullptr;
 };
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                    int rows_per_tile, const L2Hint* hint);
@@ -30,6 +35,8 @@ cudaError_t tc_init();
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);
 cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
                        int32_t* ids, float* weights, float* act, cudaStream_t s);
+cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
+                           const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s);
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
                     cudaStream_t s);
 

@@ -56,8 +56,33 @@ struct L2Hint {
   int row_bytes = 0;
   int max_rows = 0;
 };
+// The decode's MoE routing without a kernel of its own (router_in_o_proj): the O projection's blocks add
+// their rows' share of the router's dot products with norm_w ⊙ x (the new x) to acc[0..n), and the
+// gate/up kernel (expert_gate_up_acc) ranks them and scales them by rmsnorm's 1/rms, which its own
+// staging of rmsnorm(x) * norm_w uses. acc[n] collects Σ x² (rmsnorm's sum of squares) the same way.
+// acc holds int64 fixed point in units of 2^-32 ref[0] (2^-32 ref[0]² for acc[n]): integer sums do not
+// depend on the order in which the blocks add, so the routing is deterministic. ref[0] is any positive
+// value of the order of x's RMS (the Q/K/V GEMV writes its input's, the same layer's x before the
+// attention, and zeroes acc: `prep` below); a logit is then exact to ~1e-9 of its unit whatever the
+// scale of x.
+struct RouterAcc {
+  long long* acc = nullptr;  // n + 1 int64
+  float* ref = nullptr;      // one float
+  int n = 0;                 // experts
+};
+// gemv with prep set (tensor-core types and norm_w only): block 0 also writes ref = sqrt(mean(x²) + eps)
+// and zeroes acc[0..n].
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                 cudaStream_t s, const L2Hint* hint = nullptr);
+                 cudaStream_t s, const L2Hint* hint = nullptr, const RouterAcc* prep = nullptr);
+// x += O·o, acc[c] += Σ_r R[c][r] norm_w[r] x[r] and acc[n] += Σ_r x[r]² over the new x (units as above).
+cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
+                          const RouterAcc& acc, cudaStream_t s);
+// expert_gate_up with the logits from o_proj_router's acc: h = rmsnorm(x) * norm_w staged in every
+// block with 1/rms = (acc[n] 2^-32 ref² / n_x + eps)^-1/2, logits = acc[c] 2^-32 ref / rms; the choice and
+// weights as expert_gate_up's.
+cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
+                               const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
+                               cudaStream_t s);
 
 // MoE routing for one token, first half: h = rmsnorm(x) * norm_w (written to h_out) and the router
 // logits = R·h (R.rows floats). The experts are chosen by expert_gate_up.
@@ -131,6 +156,10 @@ struct LayerWeights {
   Mat q, k, v, o, router, gate, up, down;
   const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
 };
+// Whether a layer's decode can route through o_proj_router / expert_gate_up_acc: tensor-core Q, K, V, O,
+// gate and up matrices (the Q/K/V GEMV prepares the sums), an F32 router of at most 256 experts by x's
+// length, n_used <= 64, MOE_CUDA_TC not 0.
+bool router_in_o_proj_supported(const LayerWeights& L, int n_used);
 // A layer table entry: the weights and the layer's KV cache (trivially copyable: the kernel copies
 // entries to shared memory word by word).
 struct PersistLayer : LayerWeights {

@@ -262,6 +262,16 @@ class CudaForward final : public Forward {
     return true;
   }
 
+  // The decode's routing inside the O projection and the gate/up kernel (k::o_proj_router) when every
+  // layer allows it; MOE_CUDA_FUSED_ROUTER=0 keeps the router kernel (read when the graphs are captured).
+  bool fused_router() const {
+    const char* v = std::getenv("MOE_CUDA_FUSED_ROUTER");
+    if ((v && v[0] == '0') || racc_.n != static_cast<int>(c_.n_expert)) return false;
+    for (const DevLayer& L : layers_)
+      if (!k::router_in_o_proj_supported(L, static_cast<int>(c_.n_expert_used))) return false;
+    return true;
+  }
+
   int decode_splits() const {
     const int want = (2 * k::sm_count() + static_cast<int>(c_.n_head_kv) - 1) / static_cast<int>(c_.n_head_kv);
     return std::clamp(want, 1, 64);
@@ -296,6 +306,7 @@ class CudaForward final : public Forward {
         B * 4,                                                // prefill ids
         k::kArgmaxScratch * f,                                // argmax partials
         B * c_.head_dim * f,                                  // RoPE tables: the decode position, or the chunk's
+        (X + 1) * 8 + 16,                                     // the router's fixed-point sums and their unit
     };
   }
   uint64_t scratch_bytes() const {
@@ -436,6 +447,9 @@ class CudaForward final : public Forward {
     prefill_ids_ = reinterpret_cast<int32_t*>(p[18]);
     argmax_scratch_ = reinterpret_cast<float*>(p[19]);
     rope_cs_ = reinterpret_cast<float*>(p[20]);
+    racc_.n = static_cast<int>(c_.n_expert);
+    racc_.acc = reinterpret_cast<long long*>(p[21]);
+    racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
     check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");
   }
@@ -486,16 +500,23 @@ class CudaForward final : public Forward {
       kv.pos = pos_;
       kv.row_bytes = KV * 2;
       kv.max_rows = kv_prefetch_rows();
-      check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_, kv.max_rows > 0 ? &kv : nullptr), step);
+      check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_, kv.max_rows > 0 ? &kv : nullptr,
+                    fused_router_ ? &racc_ : nullptr),
+            step);
       check(k::attention_decode(qkv_, pos_, L.q_norm, L.k_norm, eps, rp, k_cache(l), v_cache(l), c_.n_head,
                                 c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, rope_cs_, stream_),
             step);
-      k::GemvOut out{L.o, x_};
-      check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
-      check(k::route_token(x_, L.ffn_norm, eps, L.router, h_, route_logits_, stream_), step);
-      check(k::expert_gate_up(L.gate, L.up, h_, route_logits_, static_cast<int>(c_.n_expert), K, ids_, wts_, act_,
-                              stream_),
-            step);
+      if (fused_router_) {  // the router's sums in the O projection, the choice in the gate/up blocks
+        check(k::o_proj_router(L.o, o_, x_, L.router, L.ffn_norm, racc_, stream_), step);
+        check(k::expert_gate_up_acc(L.gate, L.up, x_, L.ffn_norm, eps, racc_, K, ids_, wts_, act_, stream_), step);
+      } else {
+        k::GemvOut out{L.o, x_};
+        check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
+        check(k::route_token(x_, L.ffn_norm, eps, L.router, h_, route_logits_, stream_), step);
+        check(k::expert_gate_up(L.gate, L.up, h_, route_logits_, static_cast<int>(c_.n_expert), K, ids_, wts_, act_,
+                                stream_),
+              step);
+      }
       check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_), step);
     }
     k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
@@ -555,6 +576,7 @@ class CudaForward final : public Forward {
   // Captures the decode graphs with the persistent kernel when it is available, else (or when its
   // capture fails: a driver without cooperative launches in graphs) with one kernel per step.
   void capture() {
+    fused_router_ = fused_router();
     setup_persist();
     if (use_persist_) {
       try {
@@ -709,6 +731,8 @@ class CudaForward final : public Forward {
   size_t persist_smem_ = 0;
   int persist_blocks_ = 0;
   bool use_persist_ = false;
+  bool fused_router_ = false;
+  k::RouterAcc racc_;
   struct {
     void* ptr = nullptr;
   } logits_;

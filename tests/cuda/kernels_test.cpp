@@ -250,6 +250,106 @@ TEST(CudaKernels, RouteTokenPicksTheTopExpertsOfTheNormalisedInput) {
 
 float silu(double g) { return static_cast<float>(g / (1.0 + std::exp(-g))); }
 
+// The routing without a router kernel, as the decode chains it: the Q/K/V GEMV zeroes the fixed-point
+// sums and writes their unit (the RMS of its input), the O projection adds the router's dot products
+// with norm_w ⊙ (x + O·o) and the sum of squares of that x, and the gate/up kernel stages
+// rmsnorm(x) * norm_w, ranks the sums and weights the chosen with rmsnorm's scale. Against the twin: x,
+// the logits and Σ x² (double sums over the GPU's x), the ranking of the sums (ties to the lower id),
+// the weights and the experts' activations; the sums are
+// bit-identical when the chain runs again (integer adds: the order of the blocks does not matter).
+TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  struct Case {
+    Type t;
+    int n, cols, X, K;
+  };
+  for (const Case& c : {Case{Type::Q4_K, 2048, 4096, 128, 8}, Case{Type::Q6_K, 512, 1024, 40, 3},
+                        Case{Type::Q5_K, 256, 512, 256, 64}, Case{Type::Q4_K, 768, 2560, 9, 1}}) {
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(c.t) << " n " << c.n << ", O cols " << c.cols << ", "
+                                      << c.X << " experts, " << c.K << " chosen");
+    const int n = c.n, F = 16;
+    const float eps = 1e-6f;
+    QMatrix Wq(Type::Q4_K, 48, n, rng), O(c.t, n, c.cols, rng, 0.05f), R(Type::F32, c.X, n, rng, 0.2f);
+    QMatrix G(Type::Q4_K, c.X * F, n, rng), U(Type::Q5_K, c.X * F, n, rng);
+    const std::vector<float> x = randn(n, rng, 2.f), an = randn(n, rng), o = randn(c.cols, rng), g = randn(n, rng);
+    Dev<float> dx(x), dan(an), dO(o), dg(g), dq(48), dw(c.K), act(c.K * F);
+    Dev<long long> sums(c.X + 1);  // poisoned: the Q/K/V GEMV must zero them
+    Dev<float> ref(1);
+    Dev<int32_t> di(c.K);
+    k::RouterAcc ra;
+    ra.acc = sums.p;
+    ra.ref = ref.p;
+    ra.n = c.X;
+    std::vector<long long> first;
+    for (int rep = 0; rep < 2; ++rep) {
+      dx.put(x);
+      const k::GemvOut q{Wq.mat(), dq.p};
+      ok(k::gemv(&q, 1, dx.p, dan.p, eps, false, nullptr, nullptr, &ra));
+      ok(k::o_proj_router(O.mat(), dO.p, dx.p, R.mat(), dg.p, ra, nullptr));
+      ok(k::expert_gate_up_acc(G.mat(F), U.mat(F), dx.p, dg.p, eps, ra, c.K, di.p, dw.p, act.p, nullptr));
+      ok(cudaDeviceSynchronize());
+
+      const std::vector<long long> acc = sums.get();
+      if (rep == 1) {
+        EXPECT_EQ(acc, first) << "the sums differ between two runs";
+        break;
+      }
+      first = acc;
+      double ss = 0;
+      for (float v : x) ss += static_cast<double>(v) * v;
+      const double rms = std::sqrt(ss / n + eps), unit = ref.get()[0];
+      EXPECT_NEAR(unit, rms, 1e-5 * rms) << "ref";
+      // x + O·o within the GEMV's bound; the logits over the GPU's x
+      const std::vector<float> gx = dx.get();
+      std::vector<float> xb(n);  // bound of x's error per element
+      for (int r = 0; r < n; ++r) {
+        const float* w = &O.deq[static_cast<int64_t>(r) * c.cols];
+        xb[r] = static_cast<float>(std::fabs(x[r]) + abs_dot(w, o.data(), c.cols));
+        expect_close(gx[r], x[r] + dot(w, o.data(), c.cols), xb[r], "x", r);
+      }
+      std::vector<float> gxg(n);
+      for (int r = 0; r < n; ++r) gxg[r] = gx[r] * g[r];
+      double sx = 0;
+      for (float v : gx) sx += static_cast<double>(v) * v;
+      EXPECT_NEAR(static_cast<double>(acc[c.X]) * 0x1p-32 * unit * unit, sx, 1e-6 * sx) << "sum of squares";
+      for (int e = 0; e < c.X; ++e) {
+        const float* re = &R.deq[static_cast<int64_t>(e) * n];
+        const double want = dot(re, gxg.data(), n), got = static_cast<double>(acc[e]) * 0x1p-32 * unit;
+        EXPECT_NEAR(got, want, 1e-5 * abs_dot(re, gxg.data(), n) + 1e-7 * unit) << "router sum " << e;
+      }
+      // the choice: the sums ranked as floats, ties to the lower id
+      std::vector<float> lf(c.X);
+      for (int e = 0; e < c.X; ++e) lf[e] = static_cast<float>(acc[e]);
+      std::vector<int> order(c.X);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return lf[a] > lf[b]; });
+      const std::vector<int32_t> gi = di.get();
+      const std::vector<float> gw = dw.get(), ga = act.get();
+      const std::vector<float> h = rmsnorm(gx.data(), g.data(), n, eps);
+      const double scale = 1.0 / std::sqrt(sx / n + eps);
+      double wsum = 0;
+      std::vector<double> wv(c.K);
+      for (int j = 0; j < c.K; ++j)
+        wsum += wv[j] = std::exp((static_cast<double>(lf[order[j]]) - lf[order[0]]) * 0x1p-32 * unit * scale);
+      for (int j = 0; j < c.K; ++j) {
+        ASSERT_EQ(gi[j], order[j]) << "rank " << j;
+        EXPECT_NEAR(gw[j], wv[j] / wsum, 1e-5) << "rank " << j;
+        for (int r = 0; r < F; r += 5) {
+          const float* gr = &G.deq[(static_cast<int64_t>(order[j]) * F + r) * n];
+          const float* ur = &U.deq[(static_cast<int64_t>(order[j]) * F + r) * n];
+          const double gv = dot(gr, h.data(), n), uv = dot(ur, h.data(), n);
+          EXPECT_NEAR(ga[j * F + r], silu(gv) * static_cast<float>(uv),
+                      1e-4 * (abs_dot(gr, h.data(), n) * (1 + abs_dot(ur, h.data(), n))))
+              << "rank " << j << " row " << r;
+        }
+      }
+    }
+  }
+}
+
 // The expert choice inside the gate/up kernel, for several expert counts. Logits on a coarse grid, so
 // that many tie: the lowest id among equal logits must win, as in the twin.
 TEST(CudaKernels, ExpertChoiceTiesAndWidths) {

@@ -177,6 +177,12 @@ TEST(CudaModel, SynthQwen3GeometryMatchesCpuExact) {
     compare_with_cpu(m, 70, 16, 512, "kernel graph");
   }
   {
+    SCOPED_TRACE("MOE_CUDA_FUSED_ROUTER=0: the router kernel");
+    setenv("MOE_CUDA_FUSED_ROUTER", "0", 1);
+    compare_with_cpu(m, 70, 16, 512, "kernel graph");
+    unsetenv("MOE_CUDA_FUSED_ROUTER");
+  }
+  {
     SCOPED_TRACE("MOE_CUDA_PERSIST=1");
     setenv("MOE_CUDA_PERSIST", "1", 1);
     compare_with_cpu(m, 70, 16, 512, "persistent kernel");
