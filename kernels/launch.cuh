@@ -56,10 +56,11 @@ struct L2Hint {
   int row_bytes = 0;
   int max_rows = 0;
 };
-// The decode's MoE routing without a kernel of its own (router_in_o_proj): the O projection's blocks add
-// their rows' share of the router's dot products with norm_w ⊙ x (the new x) to acc[0..n), and the
-// gate/up kernel (expert_gate_up_acc) ranks them and scales them by rmsnorm's 1/rms, which its own
-// staging of rmsnorm(x) * norm_w uses. acc[n] collects Σ x² (rmsnorm's sum of squares) the same way.
+// The decode's MoE routing without a kernel of its own (when router_in_o_proj_supported): the O
+// projection's blocks add their rows' share of the router's dot products with norm_w ⊙ x (the new x)
+// to acc[0..n), and the gate/up kernel (expert_gate_up_acc) ranks them and scales them by rmsnorm's
+// 1/rms, which its own staging of rmsnorm(x) * norm_w uses. acc[n] collects Σ x² (rmsnorm's sum of
+// squares) the same way.
 // acc holds int64 fixed point in units of 2^-32 ref[0] (2^-32 ref[0]² for acc[n]): integer sums do not
 // depend on the order in which the blocks add, so the routing is deterministic. ref[0] is any positive
 // value of the order of x's RMS (the Q/K/V GEMV writes its input's, the same layer's x before the
