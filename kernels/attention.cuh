@@ -133,6 +133,7 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
     __syncthreads();  // the previous group's rows are consumed
     kv_group_store(grp, kt, base, c1, cur, kn, vn);
     __syncthreads();
+    MOE_TRACE_MARK(4);
     // the next group's loads in flight while this one is scored
     if (base + 32 < c1) kv_group_load(grp, kc, vc, kv_dim, off, base + 32, c1, cur);
     const int j = base + lane, n = min(32, c1 - base);
@@ -164,6 +165,7 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
         }
         s = (a[0] + a[1]) + (a[2] + a[3]);
       }
+      MOE_TRACE_MARK(5);
       const float mn = fmaxf(m[hi], warp_max(s));  // finite: the group has a position
       const float pw = j < c1 ? expf(s - mn) : 0.f;
       const float corr = expf(m[hi] - mn);  // 0 on the first group (m = -inf)
@@ -184,20 +186,23 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
   }
 }
 
-// Per-head RMSNorm (gain) and NEOX RoPE of `in` (HD floats) by one warp; out = result * out_scale.
-// Lane l holds elements l + 32k (one load round trip); its RoPE pairs are (k, k + HD / 64).
-// cs/sn: cos and sin of the HD / 2 pairs at this position (rope_table).
+// Per-head RMSNorm (gain) and NEOX RoPE of one head by one warp; out = result * out_scale. Lane l holds
+// elements l + 32k of the head in v (norm_rope_load: one load round trip); its RoPE pairs are
+// (k, k + HD / 64). cs/sn: cos and sin of the HD / 2 pairs at this position (rope_table).
 template <int HD>
-__device__ void norm_rope_warp(const float* in, const float* gain, const float* cs, const float* sn, float eps,
-                               float out_scale, float* out) {
+__device__ __forceinline__ void norm_rope_load(const float* in, float (&v)[HD / 32]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < HD / 32; ++k) v[k] = __ldcg(in + lane + 32 * k);
+}
+template <int HD>
+__device__ void norm_rope_vals(const float (&v)[HD / 32], const float* gain, const float* cs, const float* sn,
+                               float eps, float out_scale, float* out) {
   constexpr int NV = HD / 32, HALF = HD / 2;
   const int lane = threadIdx.x & 31;
-  float v[NV], gw[NV];
+  float gw[NV];
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    v[k] = __ldcg(in + lane + 32 * k);
-    gw[k] = gain[lane + 32 * k];
-  }
+  for (int k = 0; k < NV; ++k) gw[k] = gain[lane + 32 * k];
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < NV; ++k) ss += v[k] * v[k];
@@ -211,6 +216,13 @@ __device__ void norm_rope_warp(const float* in, const float* gain, const float* 
     out[i] = (a * c - b * s) * out_scale;
     out[i + HALF] = (a * s + b * c) * out_scale;
   }
+}
+template <int HD>
+__device__ void norm_rope_warp(const float* in, const float* gain, const float* cs, const float* sn, float eps,
+                               float out_scale, float* out) {
+  float v[HD / 32];
+  norm_rope_load<HD>(in, v);
+  norm_rope_vals<HD>(v, gain, cs, sn, eps, out_scale, out);
 }
 
 // Decode attention with the per-head Q/K norm, RoPE and KV store fused in: item (kv head g, slice sp)
@@ -237,7 +249,6 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
   const int pos = pos0[0];
-  MOE_TRACE_MARK(1);
   const int len = pos + 1;
   int chunk = (len + n_split - 1) / n_split;
   if (n_split > 1 && chunk < kDecMinChunk) chunk = kDecMinChunk;
@@ -265,14 +276,25 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   // cache rows of earlier positions, the token's RoPE table): with programmatic dependent launch it
   // overlaps the previous kernel's tail; q, k, v below are that kernel's output
   if (wait_prev) pdl_sync();
+  MOE_TRACE_MARK(1);
   __syncthreads();
+  // the last warp also normalises and stores this position's K and V: their loads go out with its query
+  // head's, so that the warp waits for one round trip, not three
+  const bool kv_warp = warp == kWarps - 1;
+  float kv_k[HD / 32], kv_v[HD / 32];
+  if (kv_warp) {
+    norm_rope_load<HD>(row + q_dim + g * HD, kv_k);
+    norm_rope_load<HD>(row + q_dim + kv_dim + g * HD, kv_v);
+  }
   for (int h = warp; h < G; h += kWarps)
     norm_rope_warp<HD>(row + (g * G + h) * HD, q_norm, cs, sn, eps, rsqrtf(static_cast<float>(HD)), qs + h * HD);
-  if (warp == kWarps - 1) {
-    norm_rope_warp<HD>(row + q_dim + g * HD, k_norm, cs, sn, eps, 1.f, kn);
+  if (kv_warp) {
+    norm_rope_vals<HD>(kv_k, k_norm, cs, sn, eps, 1.f, kn);
     __syncwarp();
-    for (int i = lane; i < HD; i += 32) {
-      const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(__ldcg(row + q_dim + kv_dim + g * HD + i));
+#pragma unroll
+    for (int c = 0; c < HD / 32; ++c) {
+      const int i = lane + 32 * c;
+      const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(kv_v[c]);
       kn[i] = __half2float(kh);
       vn[i] = __half2float(vh);
       if (sp == 0) {
