@@ -581,7 +581,7 @@ cudaError_t ensure_init() {
 }
 
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                 cudaStream_t s, const L2Hint* hint, const RouterAcc* prep) {
+                 cudaStream_t s, const L2Hint* hint, const RouterAcc* prep, bool weights_in_l2) {
   if (n_outs < 1 || n_outs > 3) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   bool tc = tc_enabled();
@@ -594,6 +594,7 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
   if (tc) {
     GemvArgs a = gemv_args(outs, n_outs, x, norm_w, eps, accumulate, 16, hint);
     if (prep) a.prep = *prep;
+    a.skip_prefetch = weights_in_l2 ? 1 : 0;
     return tc_gemv(a, s);
   }
   // four rows per warp when that still gives every SM about eight warps, else two
@@ -665,11 +666,13 @@ cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const flo
                     h, logits, n_expert, n_used, ids, weights, act);
 }
 
+bool expert_down_sends_ahead(const Mat& D) { return tc_enabled() && tc_type(D.type); }
+
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
-                            float* x, cudaStream_t s) {
+                            float* x, cudaStream_t s, const L2Ahead* ahead) {
   if (n_used > 64) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
-  if (tc_enabled() && tc_type(D.type)) return tc_down(D, act, ids, weights, n_used, x, s);
+  if (tc_enabled() && tc_type(D.type)) return tc_down(D, act, ids, weights, n_used, x, s, ahead);
   const int n_tiles = (D.rows + 1) / 2;
   static const int per_sm = blocks_per_sm(expert_down_kernel<2>, kThreads, x_smem(8 * 768));
   return launch_pdl(expert_down_kernel<2>, dim3(grid_for(n_tiles, per_sm)), dim3(kThreads),

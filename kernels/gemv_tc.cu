@@ -125,8 +125,12 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // afford to load their second super-block while multiplying the first).
 // kRoute: the O projection with the router's partial sums (o_proj_router; a.router set), one block per
 // SM (its tiles, n_embd / 16, fit one wave) so that the router's columns have registers.
-template <int R, bool kRoute>
-__global__ void __launch_bounds__(NW * 32, R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
+// kWarpTiles: matrices of many more tiles than a wave of blocks (the LM head): each warp owns whole
+// tiles (tile16 over all of a tile's super-blocks) and writes its 16 rows itself, so no block barrier
+// waits for a block's slowest warp between tiles; one wave of two blocks per SM, no L2 prefetch (the
+// warps' own loads keep enough bytes in flight). LM head 100-106 vs 112-113 us per token (trace).
+template <int R, bool kRoute, bool kWarpTiles = false>
+__global__ void __launch_bounds__(NW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[NW][16];
@@ -142,7 +146,7 @@ __global__ void __launch_bounds__(NW * 32, R == 2 && !kRoute ? 3 : 1) tc_gemv_ke
   // A tile's rows are consecutive: one bulk prefetch (the SM issues bulk prefetches one after another,
   // ~45 ns each: one per row kept the gate/up kernel's warp 0 issuing for 1.4 us, see tc_gate_up_kernel).
   auto prefetch = [&](int tile) {
-    if (tile >= total || threadIdx.x != 0) return;
+    if (kWarpTiles || tile >= total || threadIdx.x != 0 || a.skip_prefetch) return;
     int m;
     const int r = find(tile, m);
     const Mat& W = a.outs[m].W;
@@ -169,6 +173,33 @@ __global__ void __launch_bounds__(NW * 32, R == 2 && !kRoute ? 3 : 1) tc_gemv_ke
     if (threadIdx.x == 0) *a.prep.ref = 1.f / scale;
   }
   MOE_TRACE_MARK(3);
+  if constexpr (kWarpTiles) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, stride = gridDim.x * NW;
+    for (int tile = blockIdx.x * NW + warp; tile < total; tile += stride) {
+      int m;
+      const int r0 = find(tile, m);
+      const Mat& W = a.outs[m].W;
+      const uint8_t* rg = W.data + min(r0 + g, W.rows - 1) * W.row_stride;
+      const uint8_t* r8 = W.data + min(r0 + g + 8, W.rows - 1) * W.row_stride;
+      auto rows = [&](int, int i) { return i ? r8 : rg; };
+      auto one = [](int) { return 1.f; };
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      switch (W.type) {
+        case layout::Q4_K: tile16<layout::Q4_K, true>(rows, one, 1, a.cols / 256, 0, 1, xq, acc); break;
+        case layout::Q5_K: tile16<layout::Q5_K, true>(rows, one, 1, a.cols / 256, 0, 1, xq, acc); break;
+        case layout::Q6_K: tile16<layout::Q6_K, false>(rows, one, 1, a.cols / 256, 0, 1, xq, acc); break;
+        default: break;
+      }
+      warp_rows_to_smem(acc, part[warp]);
+      __syncwarp();
+      if (lane < 16 && r0 + lane < W.rows) {
+        float* yr = a.outs[m].y + r0 + lane;
+        *yr = a.accumulate ? *yr + part[warp][lane] : part[warp][lane];
+      }
+      __syncwarp();  // part[warp] is reused by the warp's next tile
+    }
+    return;
+  }
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
     prefetch(tile + 2 * gridDim.x);
     int m;
@@ -186,22 +217,37 @@ __global__ void __launch_bounds__(NW * 32, R == 2 && !kRoute ? 3 : 1) tc_gemv_ke
 }
 
 // ---- the choice from o_proj_router's sums (the gate/up kernel) --------------------------------------
+// sums_load issues the loads of the sums (thread c < n: sum c; thread 0 also the sum of squares and the
+// unit), choose_from_sums ranks them once they are in:
+struct SumsLoad {
+  long long v = 0, ss = 0;
+  float ref = 0.f;
+};
+__device__ __forceinline__ void sums_load(const long long* __restrict__ racc, const float* __restrict__ ref, int n,
+                                          SumsLoad& l) {
+  if (static_cast<int>(threadIdx.x) < n) l.v = __ldcg(racc + threadIdx.x);  // n <= blockDim.x (the host checks)
+  if (threadIdx.x == 0) {
+    l.ref = __ldcg(ref);
+    l.ss = __ldcg(racc + n);
+  }
+}
 // s_logit[c] = the sums as floats (their unit cancels in the ranking), the n_used best in rank order to
 // s_id and their sums to s_w (rank_experts), *s_scale = rmsnorm's 1/rms of x from Σ x² (x of n_x
 // elements) and *s_unit = 2^-32 ref, the sums' unit: the logits are s_w * s_unit * s_scale. Ends with
 // a barrier.
-__device__ __forceinline__ void choose_from_sums(const long long* __restrict__ racc, const float* __restrict__ ref,
-                                                 int n, int n_used, int n_x, float eps, float* s_logit, int32_t* s_id,
-                                                 float* s_w, float* s_scale, float* s_unit) {
+__device__ __forceinline__ void choose_from_sums(const SumsLoad& l, int n, int n_used, int n_x, float eps,
+                                                 float* s_logit, int32_t* s_id, float* s_w, float* s_scale,
+                                                 float* s_unit) {
   if (threadIdx.x == 0) {
-    const float rf = ref_or_one(__ldcg(ref));
-    const float ss = __ll2float_rn(__ldcg(racc + n)) * 2.3283064365386963e-10f * rf * rf;
+    const float rf = ref_or_one(l.ref);
+    const float ss = __ll2float_rn(l.ss) * 2.3283064365386963e-10f * rf * rf;
     *s_scale = rsqrtf(ss / static_cast<float>(n_x) + eps);
     *s_unit = rf * 2.3283064365386963e-10f;
   }
-  for (int i = threadIdx.x; i < n; i += blockDim.x) s_logit[i] = __ll2float_rn(__ldcg(racc + i));
+  if (static_cast<int>(threadIdx.x) < n) s_logit[threadIdx.x] = __ll2float_rn(l.v);
   if (static_cast<int>(threadIdx.x) < n_used) s_id[threadIdx.x] = 0;  // a valid id even for NaN sums
   __syncthreads();
+  MOE_TRACE_MARK(6);
   rank_experts(s_logit, n, n_used, s_id, s_w);
 }
 
@@ -233,12 +279,16 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   const int j = blockIdx.x / tiles, r0 = (blockIdx.x - j * tiles) * 16;
   const XQ xq = carve_xq(smem, G.cols);
   pdl_sync();  // the router logits and h come from the previous kernel
+  // kAcc: the sums' loads go out before x's, so that the ranking does not wait behind x (BM_Decode/0
+  // +0.5 %, trace: the choice 2.65 vs 2.88 us)
+  SumsLoad sl;
+  if (kAcc) sums_load(racc, ref, n_expert, sl);
   XLoad<2> xl;
   stage_load<2>(h, G.cols, kAcc ? norm_w : nullptr, xl);
   MOE_TRACE_MARK(1);
   __shared__ float s_scale, s_unit;  // kAcc: rmsnorm's 1/rms from the sum of squares, the sums' unit 2^-32 ref
   if constexpr (kAcc) {
-    choose_from_sums(racc, ref, n_expert, n_used, G.cols, eps, s_logit, s_id, s_w, &s_scale, &s_unit);
+    choose_from_sums(sl, n_expert, n_used, G.cols, eps, s_logit, s_id, s_w, &s_scale, &s_unit);
     if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) ids_out[threadIdx.x] = s_id[threadIdx.x];
   } else {
     choose_experts(logits, n_expert, n_used, s_logit, s_id, s_w, blockIdx.x == 0);
@@ -328,17 +378,26 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   }
 }
 
+// ahead: before its wait, block b sends its share of the next layer's Q/K/V rows to L2 (launch.cuh).
 __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __grid_constant__ Mat D,
                                                                      const float* __restrict__ act,
                                                                      const int32_t* __restrict__ ids,
                                                                      const float* __restrict__ weights, int n_used,
-                                                                     float* x) {
+                                                                     float* x, const __grid_constant__ L2Ahead ahead) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kDownWarps][16];
   __shared__ int32_t sid[64];
   __shared__ float sw[64];
   MOE_TRACE_SCOPE(3);
+  if (threadIdx.x < 3 && ahead.base[threadIdx.x]) {
+    const int64_t bytes = ahead.bytes[threadIdx.x];
+    const int64_t chunk = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~int64_t{15};
+    const int64_t o = blockIdx.x * chunk;
+    if (o < bytes)
+      bulk_prefetch_l2(static_cast<const uint8_t*>(ahead.base[threadIdx.x]) + o,
+                       static_cast<uint32_t>(min(chunk, bytes - o)));
+  }
   const XQ xq = carve_xq(smem, D.cols * n_used);
   switch (D.type) {
     case layout::Q4_K: tc_down_body<layout::Q4_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
@@ -364,6 +423,8 @@ cudaError_t tc_init() {
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
@@ -373,12 +434,16 @@ cudaError_t tc_init() {
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
-  // at most two waves of blocks (three per SM); the LM head's blocks then loop over many tiles (one,
-  // two or sixteen waves measured the same)
-  const dim3 grid(std::min(a.tiles_before[a.n_outs], 2 * 3 * sm_count()));
+  // at most two waves of blocks (three per SM); matrices of more tiles (the LM head) go to the warp-tile
+  // kernel, one wave of two blocks per SM
+  const int tiles = a.tiles_before[a.n_outs];
+  const dim3 grid(std::min(tiles, 2 * 3 * sm_count()));
   const size_t smem = xq_smem(a.cols);
   const bool two = a.cols <= 2 * 4 * NW * 32;
   const dim3 block(NW * 32);
+  if (!a.router && tiles > static_cast<int>(grid.x))
+    return launch_pdl(two ? tc_gemv_kernel<2, false, true> : tc_gemv_kernel<4, false, true>, dim3(2 * sm_count()),
+                      block, smem, s, a);
   if (a.router) return launch_pdl(two ? tc_gemv_kernel<2, true> : tc_gemv_kernel<4, true>, grid, block, smem, s, a);
   return launch_pdl(two ? tc_gemv_kernel<2, false> : tc_gemv_kernel<4, false>, grid, block, smem, s, a);
 }
@@ -404,11 +469,14 @@ cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const flo
 }
 
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
-                    cudaStream_t s) {
+                    cudaStream_t s, const L2Ahead* ahead) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
+  L2Ahead ah = ahead ? *ahead : L2Ahead{};
+  for (int i = 0; i < 3; ++i)
+    if (ah.bytes[i] <= 0 || ah.bytes[i] % 16 != 0) ah.base[i] = nullptr;  // bulk prefetches take multiples of 16
   return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(kDownWarps * 32), xq_smem(D.cols * n_used), s, D,
-                    act, ids, weights, n_used, x);
+                    act, ids, weights, n_used, x, ah);
 }
 
 }  // namespace moe::cuda::k

@@ -71,10 +71,20 @@ struct RouterAcc {
   float* ref = nullptr;      // one float
   int n = 0;                 // experts
 };
+// Weights that the kernel after next will read (the next layer's Q, K and V): every block of the kernel
+// given them sends its 1/gridDim share of each region to L2 at its start, so that they are there when
+// that kernel's blocks, which cannot start while the giver's blocks fill the SMs, need them.
+struct L2Ahead {
+  const void* base[3] = {nullptr, nullptr, nullptr};
+  int64_t bytes[3] = {0, 0, 0};  // multiples of 16 (weight rows are, layout.cuh)
+};
 // gemv with prep set (tensor-core types and norm_w only): block 0 also writes ref = sqrt(mean(x²) + eps)
 // and zeroes acc[0..n].
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
-                 cudaStream_t s, const L2Hint* hint = nullptr, const RouterAcc* prep = nullptr);
+                 cudaStream_t s, const L2Hint* hint = nullptr, const RouterAcc* prep = nullptr,
+                 bool weights_in_l2 = false);
+// weights_in_l2: an earlier kernel sent the matrices to L2 (expert_down_add's `ahead`): the tensor-core
+// GEMV does not prefetch them itself.
 // x += O·o, acc[c] += Σ_r R[c][r] norm_w[r] x[r] and acc[n] += Σ_r x[r]² over the new x (units as above).
 cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
                           const RouterAcc& acc, cudaStream_t s);
@@ -98,7 +108,9 @@ cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const flo
                            int32_t* ids, float* weights, float* act, cudaStream_t s);
 // x[r] += Σ_j weights[j] * D_e.row(r)·act[j] for e = ids[j] (decode).
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
-                            float* x, cudaStream_t s);
+                            float* x, cudaStream_t s, const L2Ahead* ahead = nullptr);
+// Whether expert_down_add sends `ahead` to L2 for this matrix (the tensor-core kernel does).
+bool expert_down_sends_ahead(const Mat& D);
 
 // Per-head RMSNorm of q and k (gains q_norm/k_norm over head_dim), NEOX RoPE at position
 // pos0[0] + t, then K and V (as fp16) into the cache rows of those positions. qkv holds n rows of

@@ -500,8 +500,10 @@ class CudaForward final : public Forward {
       kv.pos = pos_;
       kv.row_bytes = KV * 2;
       kv.max_rows = kv_prefetch_rows();
+      // Q/K/V rows: sent to L2 by the previous layer's down kernel (see below), else prefetched by the GEMV
+      const bool qkv_in_l2 = l > 0 && k::expert_down_sends_ahead(layers_[l - 1].down);
       check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_, kv.max_rows > 0 ? &kv : nullptr,
-                    fused_router_ ? &racc_ : nullptr),
+                    fused_router_ ? &racc_ : nullptr, qkv_in_l2),
             step);
       check(k::attention_decode(qkv_, pos_, L.q_norm, L.k_norm, eps, rp, k_cache(l), v_cache(l), c_.n_head,
                                 c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, rope_cs_, stream_),
@@ -517,7 +519,19 @@ class CudaForward final : public Forward {
                                 stream_),
               step);
       }
-      check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_), step);
+      // the next layer's Q/K/V rows go to L2 from the down kernel's blocks: the Q/K/V GEMV's blocks can start
+      // only as the down blocks leave the SMs, and their own prefetch then delayed their loads of x
+      k::L2Ahead next;
+      if (l + 1 < layers_.size()) {
+        const DevLayer& N = layers_[l + 1];
+        const k::Mat* m3[3] = {&N.q, &N.k, &N.v};
+        for (int i = 0; i < 3; ++i) {
+          next.base[i] = m3[i]->data;
+          next.bytes[i] = m3[i]->rows * m3[i]->row_stride;
+        }
+      }
+      check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_, l + 1 < layers_.size() ? &next : nullptr),
+            step);
     }
     k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
     check(k::gemv(&head, 1, x_, out_norm_, eps, false, stream_), step);
