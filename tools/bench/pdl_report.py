@@ -1,0 +1,49 @@
+#!/usr/bin/env python3
+# Where the time between decode kernels goes with programmatic dependent launch on: reads the CSV of
+# bench_cuda BM_DecodeTrace (a -DMOE_TRACE build, kernels/trace.cuh), in which every traced decode kernel
+# sets mark 1 right after its wait for the previous kernel. Per kernel (means over its instances):
+#   release  first block past its wait - last block of the previous kernel done (the dependency's latency)
+#   crit     last block done - first block past its wait (the kernel's own critical path)
+#   tail     last block done - median block done
+#   phases   medians over the working blocks of mark k - that block's mark 1
+# Usage: tools/bench/pdl_report.py trace.csv
+import csv, sys, statistics as st
+rows = [tuple(int(v) for v in r.values()) for r in csv.DictReader(open(sys.argv[1]))]
+names = {1: 'gemv', 2: 'gate_up', 3: 'down', 4: 'attn', 5: 'route'}
+inst = []
+for kind in sorted({r[0] for r in rows}):
+    cur, seen = [], set()
+    for r in sorted((r for r in rows if r[0] == kind), key=lambda r: r[3]):
+        if r[1] in seen:
+            inst.append((kind, cur)); cur, seen = [], set()
+        cur.append(r); seen.add(r[1])
+    if cur: inst.append((kind, cur))
+inst.sort(key=lambda x: min(r[3] for r in x[1]))
+agg, prev_end = {}, None
+t_first = min(r[3] for r in rows)
+for kind, rs in inst:
+    n = len(rs)
+    name = names.get(kind, str(kind))
+    if name == 'gemv':
+        name = 'lm_head' if n > 1000 or n in (792, 264) else 'qkv' if n >= 300 else 'o_proj' if n >= 100 else 'gemv%d' % n
+    wk = [r for r in rs if r[4]]
+    end = max(r[10] for r in rs)
+    if not wk:
+        prev_end = end; continue
+    w0 = min(r[4] for r in wk)
+    ends = sorted(r[10] for r in rs)
+    ph = [st.median(r[3 + m] - r[4] for r in wk if r[3 + m]) if any(r[3 + m] for r in wk) else 0 for m in (2, 3, 4, 5, 6)]
+    ph.append(st.median(r[10] - r[4] for r in wk))
+    a = agg.setdefault(name, [])
+    a.append(((w0 - prev_end) if prev_end else 0, end - w0, end - ends[len(ends) // 2], len(wk), ph))
+    prev_end = end
+print(f"{len(inst)} kernel instances over {(prev_end - t_first) / 1000:.1f} us")
+print(f"{'kernel':8s} {'n':>4s} {'release':>7s} {'crit':>6s} {'tail':>6s} {'work':>5s}  mark2..6,end after mark1 (us)")
+tot = [0.0, 0.0]
+for name, a in sorted(agg.items(), key=lambda kv: -sum(x[1] for x in kv[1])):
+    m = [sum(x[j] for x in a) / len(a) / 1000 for j in range(3)]
+    tot[0] += sum(x[0] for x in a) / 1000; tot[1] += sum(x[1] for x in a) / 1000
+    ph = [sum(x[4][j] for x in a) / len(a) / 1000 for j in range(6)]
+    print(f"{name:8s} {len(a):4d} {m[0]:7.2f} {m[1]:6.2f} {m[2]:6.2f} {sum(x[3] for x in a) / len(a):5.0f}  " +
+          " ".join(f"{v:5.2f}" for v in ph))
+print(f"sum release {tot[0]:.1f} us, sum crit {tot[1]:.1f} us")
