@@ -88,7 +88,7 @@ __device__ __forceinline__ void add_router_partial(const GemvArgs& a, const Rout
   atomicAdd(acc + threadIdx.x, static_cast<unsigned long long>(to_fixed((p0 + p1) * unit)));
 }
 
-template <uint32_t T, bool kPipe>
+template <uint32_t T, bool kPipe, int kW>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
                                              float (*part)[16], bool route, const RouterCols& rc, float* s_y,
                                              float ref) {
@@ -96,7 +96,7 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
   const uint8_t* rg = W.data + min(r0 + g, W.rows - 1) * W.row_stride;
   const uint8_t* r8 = W.data + min(r0 + g + 8, W.rows - 1) * W.row_stride;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T, kPipe>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, NW, xq,
+  tile16<T, kPipe>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, kW, xq,
                    acc);
   MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
@@ -106,7 +106,7 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
     if (r0 + static_cast<int>(threadIdx.x) < W.rows) {
       float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) v += part[w][threadIdx.x];
+      for (int w = 0; w < kW; ++w) v += part[w][threadIdx.x];
       float* yr = y + r0 + threadIdx.x;
       nv = a.accumulate ? *yr + v : v;
       *yr = nv;
@@ -129,11 +129,13 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // tiles (tile16 over all of a tile's super-blocks) and writes its 16 rows itself, so no block barrier
 // waits for a block's slowest warp between tiles; one wave of two blocks per SM, no L2 prefetch (the
 // warps' own loads keep enough bytes in flight). LM head 100-106 vs 112-113 us per token (trace).
-template <int R, bool kRoute, bool kWarpTiles = false>
-__global__ void __launch_bounds__(NW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
+// kW: warps per block: 16 for the O projection with the routing (one super-block each of its 4,096
+// columns, staging and tail shorter: BM_Decode/0 496.2-499.7 vs 492.5-494.8 tok/s with 8 warps).
+template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
+__global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
-  __shared__ float part[NW][16];
+  __shared__ float part[kW][16];
   __shared__ float s_y[16];
   MOE_TRACE_SCOPE(1);
   const XQ xq = carve_xq(smem, a.cols);
@@ -174,8 +176,8 @@ __global__ void __launch_bounds__(NW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   }
   MOE_TRACE_MARK(3);
   if constexpr (kWarpTiles) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, stride = gridDim.x * NW;
-    for (int tile = blockIdx.x * NW + warp; tile < total; tile += stride) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, stride = gridDim.x * kW;
+    for (int tile = blockIdx.x * kW + warp; tile < total; tile += stride) {
       int m;
       const int r0 = find(tile, m);
       const Mat& W = a.outs[m].W;
@@ -208,9 +210,9 @@ __global__ void __launch_bounds__(NW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
     if (route && tile != blockIdx.x) load_router_cols(a, W.rows, r0, rc);
     float* y = a.outs[m].y;
     switch (W.type) {
-      case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2)>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-      case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2)>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-      case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2)>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+      case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+      case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+      case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
       default: break;
     }
   }
@@ -336,8 +338,10 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
 }
 
 // Block = 16 output rows; kDownWarps warps split the (expert, super-block) pairs (24 for Qwen3-30B-A3B:
-// two each); x[r] += Σ_j w_j D_e(j).row(r)·act_j. One block per SM (the grid is 2,048 / 16 = 128).
-constexpr int kDownWarps = 12;
+// one each, loaded at once; 12 warps with two each and the second's loads pipelined measured the same or
+// slower: 496.1-496.7 vs 496.2-499.7 tok/s with the 16-warp O projection); x[r] += Σ_j w_j D_e(j).row(r)·act_j.
+// One block per SM (the grid is 2,048 / 16 = 128), 77 registers.
+constexpr int kDownWarps = 24;
 template <uint32_t T>
 __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, const int32_t* ids, const float* weights,
                                              int n_used, float* x, const XQ& xq, float* red, float (*part)[16],
@@ -349,8 +353,8 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   const int64_t og = min(r0 + g, D.rows - 1) * D.row_stride, o8 = min(r0 + g + 8, D.rows - 1) * D.row_stride;
   const int n_sb = D.cols / 256;
   pdl_sync();
-  XLoad<4> xl;
-  stage_load<4>(act, n, nullptr, xl);
+  XLoad<2> xl;
+  stage_load<2>(act, n, nullptr, xl);
   MOE_TRACE_MARK(1);
   // the routing comes from the gate/up kernel (its block 0): the tile's rows of each chosen expert
   // (consecutive) go to L2 now, one bulk prefetch per expert. (Each block making the choice itself from
@@ -362,10 +366,10 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
     bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
   }
   MOE_TRACE_MARK(2);
-  stage_finish<4>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
+  stage_finish<2>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
   MOE_TRACE_MARK(3);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T, true>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; },
+  tile16<T, false>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; },
                   n_used, n_sb, warp, kDownWarps, xq, acc);
   MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
@@ -428,6 +432,7 @@ cudaError_t tc_init() {
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, true, false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   return cudaSuccess;
 }
 
@@ -444,6 +449,8 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   if (!a.router && tiles > static_cast<int>(grid.x))
     return launch_pdl(two ? tc_gemv_kernel<2, false, true> : tc_gemv_kernel<4, false, true>, dim3(2 * sm_count()),
                       block, smem, s, a);
+  if (a.router && !two && a.cols <= 4096)  // 16 warps, one super-block each (see tc_gemv_kernel's kW)
+    return launch_pdl(tc_gemv_kernel<2, true, false, 16>, grid, dim3(16 * 32), smem, s, a);
   if (a.router) return launch_pdl(two ? tc_gemv_kernel<2, true> : tc_gemv_kernel<4, true>, grid, block, smem, s, a);
   return launch_pdl(two ? tc_gemv_kernel<2, false> : tc_gemv_kernel<4, false>, grid, block, smem, s, a);
 }
