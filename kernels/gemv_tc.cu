@@ -62,6 +62,8 @@ __device__ __forceinline__ void load_router_cols(const GemvArgs& a, int rows, in
 // tile's rows, held by lanes 0-15 of warp 0), in fixed point (launch.cuh: units of 2^-32 ref and
 // 2^-32 ref²). ref is read here, not at its load: its L2 round trip is then hidden behind the MMAs. The
 // clamps keep a sum of up to 512 partials inside int64 whatever the input.
+constexpr float kFixedUnit = 4294967296.f;                   // 2^32: a sum's value is acc * 2^-32 ref
+constexpr float kFixedUnitInv = 2.3283064365386963e-10f;     // 2^-32
 __device__ __forceinline__ float ref_or_one(float ref) { return ref > 0.f && ref < INFINITY ? ref : 1.f; }
 __device__ __forceinline__ long long to_fixed(float v) {
   return __float2ll_rn(fminf(fmaxf(v, -1.8e16f), 1.8e16f));  // 2^54 = 1.8e16
@@ -69,7 +71,7 @@ __device__ __forceinline__ long long to_fixed(float v) {
 __device__ __forceinline__ void add_router_partial(const GemvArgs& a, const RouterCols& rc, const float* s_y,
                                                    float y, float ref) {
   ref = ref_or_one(ref);
-  const float unit = 4294967296.f / ref;
+  const float unit = kFixedUnit / ref;
   unsigned long long* acc = reinterpret_cast<unsigned long long*>(a.racc.acc);
   if (threadIdx.x < 32) {
     float q = threadIdx.x < 16 ? y * y : 0.f;
@@ -200,20 +202,20 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
       }
       __syncwarp();  // part[warp] is reused by the warp's next tile
     }
-    return;
-  }
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    prefetch(tile + 2 * gridDim.x);
-    int m;
-    const int r0 = find(tile, m);
-    const Mat& W = a.outs[m].W;
-    if (route && tile != blockIdx.x) load_router_cols(a, W.rows, r0, rc);
-    float* y = a.outs[m].y;
-    switch (W.type) {
-      case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-      case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-      case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-      default: break;
+  } else {
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      prefetch(tile + 2 * gridDim.x);
+      int m;
+      const int r0 = find(tile, m);
+      const Mat& W = a.outs[m].W;
+      if (route && tile != blockIdx.x) load_router_cols(a, W.rows, r0, rc);
+      float* y = a.outs[m].y;
+      switch (W.type) {
+        case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+        case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+        case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+        default: break;
+      }
     }
   }
 }
@@ -242,9 +244,9 @@ __device__ __forceinline__ void choose_from_sums(const SumsLoad& l, int n, int n
                                                  float* s_unit) {
   if (threadIdx.x == 0) {
     const float rf = ref_or_one(l.ref);
-    const float ss = __ll2float_rn(l.ss) * 2.3283064365386963e-10f * rf * rf;
+    const float ss = __ll2float_rn(l.ss) * kFixedUnitInv * rf * rf;
     *s_scale = rsqrtf(ss / static_cast<float>(n_x) + eps);
-    *s_unit = rf * 2.3283064365386963e-10f;
+    *s_unit = rf * kFixedUnitInv;
   }
   if (static_cast<int>(threadIdx.x) < n) s_logit[threadIdx.x] = __ll2float_rn(l.v);
   if (static_cast<int>(threadIdx.x) < n_used) s_id[threadIdx.x] = 0;  // a valid id even for NaN sums
