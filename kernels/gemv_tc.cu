@@ -256,8 +256,10 @@ __device__ __forceinline__ void choose_from_sums(const SumsLoad& l, int n, int n
 }
 
 // ---- experts ------------------------------------------------------------------------------------------
-// Block = 16 rows of one chosen expert; warps 0-3 the gate rows, 4-7 the up rows, two super-blocks each
-// (the second one's loads issued before the first is multiplied, except for Q6_K: registers). Three
+// Block = 16 rows of one chosen expert; warps 0-3 the gate rows, 4-7 the up rows, two super-blocks each,
+// one after the other (the rows were sent to L2 by the block's bulk prefetch; the second super-block's
+// loads issued before the first was multiplied needed two register sets, and at three blocks per SM
+// (80 registers) the kernel spilled: BM_Decode/0 512.3-512.8 vs 498.9-503.9 tok/s without). Three
 // blocks per SM: 48 tiles x 8 experts of Qwen3-30B-A3B fit the H200's 132 SMs in one wave.
 // The Mat parameters are __grid_constant__: a kernel that takes a reference to a by-value struct
 // parameter (M = up ? U : G) otherwise gets a copy of it in local memory, written by every thread at
@@ -323,8 +325,8 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   auto one = [](int) { return 1.f; };
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   switch (M.type) {
-    case layout::Q4_K: tile16<layout::Q4_K, true>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
-    case layout::Q5_K: tile16<layout::Q5_K, true>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
+    case layout::Q4_K: tile16<layout::Q4_K, false>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
+    case layout::Q5_K: tile16<layout::Q5_K, false>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
     case layout::Q6_K: tile16<layout::Q6_K, false>(rows, one, 1, M.cols / 256, warp & 3, 4, xq, acc); break;
     default: break;
   }

@@ -277,9 +277,9 @@ float silu(double g) { return static_cast<float>(g / (1.0 + std::exp(-g))); }
 // sums and writes their unit (the RMS of its input), the O projection adds the router's dot products
 // with norm_w ⊙ (x + O·o) and the sum of squares of that x, and the gate/up kernel stages
 // rmsnorm(x) * norm_w, ranks the sums and weights the chosen with rmsnorm's scale. Against the twin: x,
-// the logits and Σ x² (double sums over the GPU's x), the ranking of the sums (ties to the lower id),
-// the weights and the experts' activations; the sums are
-// bit-identical when the chain runs again (integer adds: the order of the blocks does not matter).
+// the logits and Σ x² (double sums over the GPU's x), the ranking of the sums (ties to the lower id:
+// router rows repeated), the weights and the experts' activations; the sums are bit-identical when the
+// chain runs again (integer adds: the order of the blocks does not matter).
 TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -297,6 +297,14 @@ TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
     const float eps = 1e-6f;
     QMatrix Wq(Type::Q4_K, 48, n, rng), O(c.t, n, c.cols, rng, 0.05f), R(Type::F32, c.X, n, rng, 0.2f);
     QMatrix G(Type::Q4_K, c.X * F, n, rng), U(Type::Q5_K, c.X * F, n, rng);
+    // ties: router rows 1 and 4 equal, rows 2 and 7 their negation (3x: one pair usually leads), so that
+    // equal sums meet in the ranking (the lower id first)
+    for (int i = 0; i < n; ++i) {
+      const float v = 3.f * R.deq[n + i];
+      R.deq[n + i] = R.deq[4 * n + i] = v;
+      R.deq[2 * n + i] = R.deq[7 * n + i] = -v;
+    }
+    ok(cudaMemcpy(R.dev, R.deq.data(), R.deq.size() * sizeof(float), cudaMemcpyHostToDevice));
     const std::vector<float> x = randn(n, rng, 2.f), an = randn(n, rng), o = randn(c.cols, rng), g = randn(n, rng);
     Dev<float> dx(x), dan(an), dO(o), dg(g), dq(48), dw(c.K), act(c.K * F);
     Dev<long long> sums(c.X + 1);  // poisoned: the Q/K/V GEMV must zero them
@@ -349,6 +357,7 @@ TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
       std::vector<int> order(c.X);
       std::iota(order.begin(), order.end(), 0);
       std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return lf[a] > lf[b]; });
+      EXPECT_TRUE(acc[1] == acc[4] && acc[2] == acc[7]) << "equal router rows, equal sums";
       const std::vector<int32_t> gi = di.get();
       const std::vector<float> gw = dw.get(), ga = act.get();
       const std::vector<float> h = rmsnorm(gx.data(), g.data(), n, eps);
