@@ -14,7 +14,8 @@ namespace {
 // One block per (head, token); head_dim/2 threads, thread i owns the RoPE pair (i, i + head_dim/2).
 __global__ void qk_norm_rope_store_kernel(float* qkv, const int32_t* pos0, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, int n_head, int n_head_kv, int hd,
-                                          float eps, Rope rope, __half* kc, __half* vc, const float* rope_cs) {
+                                          float eps, const __grid_constant__ Rope rope, __half* kc, __half* vc,
+                                          const float* rope_cs) {
   __shared__ float red[32];
   pdl_sync();
   const int t = blockIdx.y, h = blockIdx.x, i = threadIdx.x, half_d = hd / 2;
@@ -271,17 +272,20 @@ __global__ void __launch_bounds__(kFlashWarps * 32) flash_attention_kernel(const
 // Row t: out[i] = cos, out[hd / 2 + i] = sin of RoPE pair i at position pos0[0] + t (once per decode
 // token or prefill chunk: every layer's attention reads it instead of evaluating double-precision
 // sincos per block).
-__global__ void rope_table_kernel(const int32_t* pos0, Rope rope, int hd, float* out) {
+__global__ void rope_table_kernel(const int32_t* pos0, const __grid_constant__ Rope rope, int hd, float* out) {
   pdl_sync();
   const int i = threadIdx.x, t = blockIdx.x;
   float* row = out + static_cast<int64_t>(t) * hd;
   if (i < hd / 2) rope_cos_sin(i, pos0[0] + t, rope, row[i], row[hd / 2 + i]);
 }
 
+// The Rope parameters are __grid_constant__ in these kernels: rope_cos_sin takes them by reference, and a
+// by-value struct parameter is then copied to local memory by every thread at the kernel's start.
 template <int D, int G>
 __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const float* __restrict__ qkv,
                                                                           const int32_t* pos0, const float* q_norm,
-                                                                          const float* k_norm, float eps, Rope rope,
+                                                                          const float* k_norm, float eps,
+                                                                          const __grid_constant__ Rope rope,
                                                                           __half* kc, __half* vc, int n_head_kv,
                                                                           int n_split, float* partials,
                                                                           int* counters, float* out_all,
