@@ -139,9 +139,12 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
 cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s);
 
 // out[0] = argmax of x[0..n) (lowest index on ties, non-finite values skipped), out[1] = 1 when some
-// x is not finite (else 0); scratch holds kArgmaxScratch floats.
+// x is not finite (else 0); scratch holds kArgmaxScratch floats. A decode chained on the device: the
+// index also goes to next_token[0] and next_pos[0] grows by one (each when given), so that the next
+// decode graph can run without the host.
 constexpr int kArgmaxScratch = 256;
-cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s);
+cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s, int32_t* next_token = nullptr,
+                   int32_t* next_pos = nullptr);
 
 #ifdef MOE_TRACE
 // Attach the per-block trace buffer (dev::TraceRec[kTraceCap], trace.cuh) and its counter to the traced

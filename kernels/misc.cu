@@ -85,7 +85,8 @@ __global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi)
   if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = bad ? static_cast<int>(static_cast<unsigned>(idx) | 0x80000000u) : idx; }
 }
 
-__global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int32_t* out) {
+__global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int32_t* out, int32_t* next_token,
+                                    int32_t* next_pos) {
   pdl_sync();
   float best = -INFINITY;
   int idx = 0x7fffffff;
@@ -99,6 +100,8 @@ __global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int3
   if (threadIdx.x == 0) {
     out[0] = idx == 0x7fffffff ? 0 : idx;
     out[1] = bad ? 1 : 0;
+    if (next_token) next_token[0] = out[0];
+    if (next_pos) next_pos[0] += 1;
   }
 }
 
@@ -240,13 +243,14 @@ cudaError_t rmsnorm_rows(const float* x, const float* w, int n, int cols, int st
   return cudaGetLastError();
 }
 
-cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s) {
+cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s, int32_t* next_token,
+                   int32_t* next_pos) {
   float* pv = scratch;
   int* pi = reinterpret_cast<int*>(scratch + kArgmaxBlocks);
   cudaError_t e = launch_pdl(argmax_partial_kernel, dim3(kArgmaxBlocks), dim3(256), 0, s, x, n, pv, pi);
   if (e) return e;
   return launch_pdl(argmax_final_kernel, dim3(1), dim3(kArgmaxBlocks), 0, s, static_cast<const float*>(pv),
-                    static_cast<const int*>(pi), kArgmaxBlocks, out);
+                    static_cast<const int*>(pi), kArgmaxBlocks, out, next_token, next_pos);
 }
 
 cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,

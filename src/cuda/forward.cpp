@@ -100,10 +100,13 @@ class CudaForward final : public Forward {
   }
 
   ~CudaForward() override {
+    if (stream_) cudaStreamSynchronize(stream_);  // a greedy step may still be ahead (eval_greedy)
     if (!profile_path_.empty()) write_profile();
     if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
     if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
     if (host_io_) cudaFreeHost(host_io_);
+    for (cudaEvent_t e : step_done_)
+      if (e) cudaEventDestroy(e);
     if (fork_) cudaEventDestroy(fork_);
     if (join_) cudaEventDestroy(join_);
     if (side_) cudaStreamDestroy(side_);
@@ -112,6 +115,7 @@ class CudaForward final : public Forward {
 
   void eval(std::span<const int32_t> tokens, bool all_logits, std::vector<float>& logits) override {
     check_tokens(tokens);
+    ahead_ = false;
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t V = n_vocab();
     if (n_past_ + n > n_ctx_)
@@ -141,21 +145,50 @@ class CudaForward final : public Forward {
     }
   }
 
+  // Greedy decoding runs one step ahead: the greedy graph's argmax also writes the next step's token and
+  // position on the device, so the step after this one is enqueued before this one's result is read
+  // (the host's wait, copy and launch no longer leave the GPU idle between tokens). When the caller then
+  // asks for exactly that token, its step is already running; any other call (another token, eval,
+  // reset) abandons it: it only wrote the KV row at n_past(), which the next step there rewrites.
+  // MOE_CUDA_CHAIN=0 turns it off (read when the forward is made).
   int32_t eval_greedy(int32_t token) override {
     check_tokens(std::span<const int32_t>(&token, 1));
-    decode_step(token, true);
-    finish(cudaMemcpyAsync(host_io_ + 4, argmax_.ptr, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
-           "reading the greedy token");
+    if (n_past_ + 1 > n_ctx_)
+      fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
+    step_ = "a CUDA kernel failed at decode position";
+    int s;
+    if (ahead_ && token == ahead_token_) {
+      s = ahead_slot_;  // this step is already on the stream
+    } else {
+      s = slot_;
+      slot_ ^= 1;
+      enqueue_greedy(s, &token);
+    }
+    ahead_ = false;
+    if (chain_ && n_past_ + 2 <= n_ctx_) {
+      ahead_slot_ = slot_;
+      slot_ ^= 1;
+      enqueue_greedy(ahead_slot_, nullptr);
+      ahead_ = true;
+    }
+    check_step(cudaEventSynchronize(step_done_[s]));
     n_past_ += 1;
-    if (host_io_[5] != 0)
+    const int32_t* r = host_io_ + 4 + 2 * s;
+    if (r[1] != 0) {
+      ahead_ = false;
       fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
-    return host_io_[4];
+    }
+    ahead_token_ = r[0];
+    return r[0];
   }
 
   int64_t n_past() const override { return n_past_; }
   int64_t n_ctx() const override { return n_ctx_; }
   int64_t n_vocab() const override { return output_.rows; }
-  void reset() override { n_past_ = 0; }
+  void reset() override {
+    n_past_ = 0;
+    ahead_ = false;
+  }
   std::string name() const override { return "cuda"; }
 
  private:
@@ -451,6 +484,9 @@ class CudaForward final : public Forward {
     racc_.acc = reinterpret_cast<long long*>(p[21]);
     racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
+    for (cudaEvent_t& e : step_done_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "upload failed");
+    const char* chain = std::getenv("MOE_CUDA_CHAIN");
+    chain_ = !(chain && chain[0] == '0');
     check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");
   }
 
@@ -535,8 +571,10 @@ class CudaForward final : public Forward {
     }
     k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
     check(k::gemv(&head, 1, x_, out_norm_, eps, false, stream_), step);
-    if (greedy)
-      check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_scratch_, argmax_.ptr, stream_), step);
+    if (greedy)  // also the next greedy step's token and position (see eval_greedy)
+      check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_scratch_, argmax_.ptr, stream_, token_,
+                      pos_),
+            step);
     (void)E;
   }
 
@@ -623,6 +661,21 @@ class CudaForward final : public Forward {
       if (slot) cudaGraphExecDestroy(slot);
       slot = exec;
     }
+  }
+
+  // The greedy graph for position n_past() (+1 when a step is already ahead of it on the stream), its
+  // argmax copied to result slot s (host_io_[4 + 2s], [5 + 2s]) and step_done_[s] recorded. token: the
+  // step's token from the host, or null: the previous greedy step's argmax, on the device already.
+  void enqueue_greedy(int s, const int32_t* token) {
+    if (token) {
+      host_io_[0] = *token;
+      host_io_[1] = static_cast<int32_t>(n_past_);
+      check_step(cudaMemcpyAsync(token_, host_io_, 2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    }
+    check_step(cudaGraphLaunch(graph_greedy_, stream_));
+    check_step(
+        cudaMemcpyAsync(host_io_ + 4 + 2 * s, argmax_.ptr, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    check_step(cudaEventRecord(step_done_[s], stream_));
   }
 
   void decode_step(int32_t token, bool greedy) {
@@ -753,7 +806,12 @@ class CudaForward final : public Forward {
   struct {
     int32_t* ptr = nullptr;
   } argmax_;
-  int32_t* host_io_ = nullptr;  // pinned: token, pos, -, prefill pos, argmax, non-finite flag
+  int32_t* host_io_ = nullptr;  // pinned: token, pos, -, prefill pos, then two greedy results {argmax, non-finite}
+  // greedy decoding one step ahead (eval_greedy)
+  bool chain_ = true, ahead_ = false;
+  int32_t ahead_token_ = -1;
+  int slot_ = 0, ahead_slot_ = 0;
+  cudaEvent_t step_done_[2] = {nullptr, nullptr};
 
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_ = nullptr;  // the prefill's V projection, next to K (and Q) on stream_

@@ -189,10 +189,12 @@ TEST(CudaKernels, RmsnormRowsAndArgmax) {
   Dev<float> dv(v);
   Dev<int32_t> di(2);
   Dev<float> scratch(k::kArgmaxScratch);
-  ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr));
+  Dev<int32_t> chain(std::vector<int32_t>{-1, 41});  // the next decode's token and position
+  ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr, chain.p, chain.p + 1));
   ok(cudaDeviceSynchronize());
   EXPECT_EQ(di.get()[0], best);
   EXPECT_EQ(di.get()[1], 0) << "all finite";
+  EXPECT_EQ(chain.get(), (std::vector<int32_t>{best, 42})) << "chained token and position";
   // a NaN and an infinity are flagged; the argmax skips the NaN
   v[77] = std::nanf("");
   v[150000] = -INFINITY;

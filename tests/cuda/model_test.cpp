@@ -233,6 +233,55 @@ TEST(CudaModel, PersistentDecodeMatchesKernelGraph) {
   fs::remove_all(dir);
 }
 
+// Greedy decoding one step ahead (eval_greedy chains the next step on the device) against the same
+// forward with MOE_CUDA_CHAIN=0 (one step, one wait): the same kernels on the same inputs, so every
+// token and every logit must be identical -- through runs of greedy steps, a greedy call with another
+// token than the one already running (the step ahead is abandoned), logits in between, reset, and the
+// end of the context (no step ahead past it; the next call is refused as for the unchained forward).
+TEST(CudaModel, GreedyOneStepAheadMatchesStepByStep) {
+  REQUIRE_GPU();
+  Model m = fixture("tiny-qwen3moe-q4_k_m");
+  moe::cuda::Options go;
+  go.n_ctx = 96;
+  auto chained = moe::cuda::make_forward(m, go, nullptr);
+  setenv("MOE_CUDA_CHAIN", "0", 1);
+  auto plain = moe::cuda::make_forward(m, go, nullptr);
+  unsetenv("MOE_CUDA_CHAIN");
+  const int64_t V = plain->n_vocab();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const std::vector<int32_t> ids = prompt(20, V, seed);
+  for (int rep = 0; rep < 2; ++rep) {
+    std::vector<float> a, b;
+    chained->eval(ids, false, a);
+    plain->eval(ids, false, b);
+    ASSERT_EQ(a, b);
+    int32_t tok = argmax(a.data(), V);
+    for (int s = 0; s < 30; ++s) {  // the chained forward's step ahead is used every time
+      const int32_t x = chained->eval_greedy(tok), y = plain->eval_greedy(tok);
+      ASSERT_EQ(x, y) << "greedy step " << s;
+      tok = x;
+    }
+    // another token than the one the step ahead is running with, then logits, then greedy again
+    tok = (tok + 1) % static_cast<int32_t>(V);
+    ASSERT_EQ(chained->eval_greedy(tok), plain->eval_greedy(tok)) << "greedy with another token";
+    chained->eval(std::span<const int32_t>(&tok, 1), false, a);
+    plain->eval(std::span<const int32_t>(&tok, 1), false, b);
+    ASSERT_EQ(a, b) << "logits after an abandoned step";
+    tok = argmax(a.data(), V);
+    while (plain->n_past() < go.n_ctx) {  // to the end of the context
+      const int32_t x = chained->eval_greedy(tok), y = plain->eval_greedy(tok);
+      ASSERT_EQ(x, y) << "greedy at position " << plain->n_past() - 1;
+      tok = x;
+    }
+    EXPECT_EQ(chained->n_past(), go.n_ctx);
+    EXPECT_THROW(chained->eval_greedy(tok), moe::Error);
+    EXPECT_THROW(plain->eval_greedy(tok), moe::Error);
+    chained->reset();
+    plain->reset();
+  }
+}
+
 TEST(CudaModel, FailuresAreErrorsNamingTheStep) {
   REQUIRE_GPU();
   Model m = fixture("tiny-qwen3moe-q8_0");
