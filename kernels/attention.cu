@@ -2,6 +2,9 @@
 // prefill (tensor cores, flash-attention style) and for one decode token (split over the context:
 // each block runs an online softmax over its slice for the query heads of one KV head, and the last
 // block of the KV head merges the slices; the item itself is in attention.cuh).
+#include <algorithm>
+#include <cstdlib>
+
 #include "attention.cuh"
 #include "mma.cuh"
 
@@ -289,11 +292,11 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
                                                                           __half* kc, __half* vc, int n_head_kv,
                                                                           int n_split, float* partials,
                                                                           int* counters, float* out_all,
-                                                                          const float* rope_cs) {
+                                                                          const float* rope_cs, int min_chunk) {
   extern __shared__ float sm[];
   MOE_TRACE_SCOPE(4);
   attention_decode_item<D, G>(blockIdx.x, blockIdx.y, qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split,
-                              partials, counters, out_all, rope_cs, sm, true);  // waits after its first loads
+                              partials, counters, out_all, rope_cs, sm, true, min_chunk);  // waits after its first loads
 }
 
 template <int HD, int G>
@@ -326,9 +329,13 @@ cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const
                                     float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split,
                                     float* partials, int* counters, float* out, const float* rope_cs, cudaStream_t s) {
   const size_t smem = static_cast<size_t>(dec_smem_floats(G, D * 32)) * sizeof(float);
+  static const int min_chunk = [] {  // TEMP experiment
+    const char* v = std::getenv("MOE_CUDA_ATT_CHUNK");
+    return v ? std::max(1, std::atoi(v)) : kDecMinChunk;
+  }();
   return launch_pdl(attention_decode_kernel<D, G>, dim3(n_head_kv, n_split), dim3(kDecWarps * 32), smem, s, qkv, pos0,
                     q_norm, k_norm, eps, rope, static_cast<__half*>(kc), static_cast<__half*>(vc), n_head_kv, n_split,
-                    partials, counters, out, rope_cs);
+                    partials, counters, out, rope_cs, min_chunk);
 }
 
 template <int D>

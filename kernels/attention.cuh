@@ -244,14 +244,15 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
                                                       const float* q_norm, const float* k_norm, float eps,
                                                       const Rope& rope, __half* kc, __half* vc, int n_head_kv,
                                                       int n_split, float* partials, int* counters, float* out_all,
-                                                      const float* rope_cs, float* sm, bool wait_prev) {
+                                                      const float* rope_cs, float* sm, bool wait_prev,
+                                                      int min_chunk = kDecMinChunk) {
   constexpr int HD = D * 32, PS = HD + 2, kWarps = kDecWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
   const int pos = pos0[0];
   const int len = pos + 1;
   int chunk = (len + n_split - 1) / n_split;
-  if (n_split > 1 && chunk < kDecMinChunk) chunk = kDecMinChunk;
+  if (n_split > 1 && chunk < min_chunk) chunk = min_chunk;
   const int n_eff = (len + chunk - 1) / chunk;
   if (sp >= n_eff) return;  // uniform over the block
   const int c0 = sp * chunk, c1 = min(len, c0 + chunk);

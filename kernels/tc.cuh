@@ -260,6 +260,7 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
   const float f = w * xq.scale[sbg];
   const int4 xs = *reinterpret_cast<const int4*>(xq.sum16 + s0 * 2 + 4 * t);
   int va[2] = {0, 0}, vb[2] = {0, 0};  // [row]: this lane's columns 2t and 2t + 1
+  int ha[2] = {0, 0}, hb[2] = {0, 0};  // Q4_K: the high-nibble sub-blocks' sums, 16x
   if constexpr (T == Q4_K || T == Q5_K) {
     uint32_t sc[2][2], mn[2][2];
     kq_scales(r.hdr[0], sc[0], mn[0]);
@@ -269,8 +270,13 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {  // sub-block j = 2c + hi: low or high nibbles
         const int j = 2 * c + hi;
-        uint32_t a[4] = {(r.q[0][c][0] >> (4 * hi)) & 0x0F0F0F0Fu, (r.q[1][c][0] >> (4 * hi)) & 0x0F0F0F0Fu,
-                         (r.q[0][c][1] >> (4 * hi)) & 0x0F0F0F0Fu, (r.q[1][c][1] >> (4 * hi)) & 0x0F0F0F0Fu};
+        // Q4_K's high nibbles stay in place (16x the code, < 256): their products are 16x, summed apart
+        // and divided by 16 exactly (a shift) at the end; the mask alone, no shift per register
+        constexpr bool kH16 = T == Q4_K;
+        const uint32_t m = kH16 && hi ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+        const int sh = kH16 ? 0 : 4 * hi;
+        uint32_t a[4] = {(r.q[0][c][0] >> sh) & m, (r.q[1][c][0] >> sh) & m, (r.q[0][c][1] >> sh) & m,
+                         (r.q[1][c][1] >> sh) & m};
         if constexpr (T == Q5_K) {
           a[0] |= ((r.h[0][0][0] >> j) & 0x01010101u) << 4;
           a[1] |= ((r.h[1][0][0] >> j) & 0x01010101u) << 4;
@@ -281,10 +287,19 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
         int d[4];
         mma_u8s8(d, a, b);
         const int sg = u8_at(sc[0][c >> 1], j & 3), s8 = u8_at(sc[1][c >> 1], j & 3);
-        va[0] += sg * d[0];
-        vb[0] += sg * d[1];
-        va[1] += s8 * d[2];
-        vb[1] += s8 * d[3];
+        int(&ua)[2] = kH16 && hi ? ha : va;
+        int(&ub)[2] = kH16 && hi ? hb : vb;
+        ua[0] += sg * d[0];
+        ub[0] += sg * d[1];
+        ua[1] += s8 * d[2];
+        ub[1] += s8 * d[3];
+      }
+    }
+    if constexpr (T == Q4_K) {  // |16x sums| <= 4 * 63 * 32 * 240 * 128 < 2^31; multiples of 16
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        va[i] += ha[i] >> 4;
+        vb[i] += hb[i] >> 4;
       }
     }
     // lane 0 holds digits a, b (columns 0, 1), lane 1 digit c (column 2)

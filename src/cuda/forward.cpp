@@ -156,28 +156,28 @@ class CudaForward final : public Forward {
     if (n_past_ + 1 > n_ctx_)
       fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
     step_ = "a CUDA kernel failed at decode position";
+    const bool hit = ahead_ && token == ahead_token_;
+    ahead_ = false;  // set again only once this call has succeeded
     int s;
-    if (ahead_ && token == ahead_token_) {
+    if (hit) {
       s = ahead_slot_;  // this step is already on the stream
     } else {
       s = slot_;
       slot_ ^= 1;
       enqueue_greedy(s, &token);
     }
-    ahead_ = false;
+    bool launched = false;
     if (chain_ && n_past_ + 2 <= n_ctx_) {
       ahead_slot_ = slot_;
       slot_ ^= 1;
       enqueue_greedy(ahead_slot_, nullptr);
-      ahead_ = true;
+      launched = true;
     }
     check_step(cudaEventSynchronize(step_done_[s]));
     n_past_ += 1;
     const int32_t* r = host_io_ + 4 + 2 * s;
-    if (r[1] != 0) {
-      ahead_ = false;
-      fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
-    }
+    if (r[1] != 0) fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
+    ahead_ = launched;
     ahead_token_ = r[0];
     return r[0];
   }
