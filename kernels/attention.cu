@@ -292,11 +292,13 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
                                                                           __half* kc, __half* vc, int n_head_kv,
                                                                           int n_split, float* partials,
                                                                           int* counters, float* out_all,
-                                                                          const float* rope_cs, int min_chunk) {
+                                                                          const float* rope_cs, int min_chunk,
+                                                                          int defer) {
   extern __shared__ float sm[];
   MOE_TRACE_SCOPE(4);
   attention_decode_item<D, G>(blockIdx.x, blockIdx.y, qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split,
-                              partials, counters, out_all, rope_cs, sm, true, min_chunk);  // waits after its first loads
+                              partials, counters, out_all, rope_cs, sm, true, min_chunk,
+                              defer);  // waits after its first loads
 }
 
 template <int HD, int G>
@@ -327,26 +329,23 @@ cudaError_t flash_g(int G, const float* qkv, int qkv_stride, int n, const int32_
 template <int D, int G>
 cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm,
                                     float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split,
-                                    float* partials, int* counters, float* out, const float* rope_cs, cudaStream_t s) {
+                                    float* partials, int* counters, float* out, const float* rope_cs, cudaStream_t s,
+                                    int defer) {
   const size_t smem = static_cast<size_t>(dec_smem_floats(G, D * 32)) * sizeof(float);
-  static const int min_chunk = [] {  // TEMP experiment
-    const char* v = std::getenv("MOE_CUDA_ATT_CHUNK");
-    return v ? std::max(1, std::atoi(v)) : kDecMinChunk;
-  }();
   return launch_pdl(attention_decode_kernel<D, G>, dim3(n_head_kv, n_split), dim3(kDecWarps * 32), smem, s, qkv, pos0,
                     q_norm, k_norm, eps, rope, static_cast<__half*>(kc), static_cast<__half*>(vc), n_head_kv, n_split,
-                    partials, counters, out, rope_cs, min_chunk);
+                    partials, counters, out, rope_cs, attention_min_chunk(), defer);
 }
 
 template <int D>
 cudaError_t attention_decode_g(int G, const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm,
                                float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split, float* partials,
-                               int* counters, float* out, const float* rope_cs, cudaStream_t s) {
+                               int* counters, float* out, const float* rope_cs, cudaStream_t s, int defer) {
   switch (G) {
 #define MOE_ATT_DEC(GG)                                                                                              \
   case GG:                                                                                                           \
     return launch_attention_decode<D, GG>(qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split, partials, \
-                                          counters, out, rope_cs, s);
+                                          counters, out, rope_cs, s, defer);
     MOE_ATT_DEC(1) MOE_ATT_DEC(2) MOE_ATT_DEC(4) MOE_ATT_DEC(8)
 #undef MOE_ATT_DEC
     default: return cudaErrorInvalidValue;
@@ -381,15 +380,24 @@ cudaError_t attention(const float* qkv, int qkv_stride, int n, const int32_t* po
 cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,
                              Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
                              int n_split, float* partials, int* counters, float* out, const float* rope_cs,
-                             cudaStream_t s) {
-  if (!attention_supported(n_head, n_head_kv, head_dim) || n_split < 1 || n_split > kMaxSplit)
+                             cudaStream_t s, int defer) {
+  if (!attention_supported(n_head, n_head_kv, head_dim) || n_split < 1 || n_split > kMaxSplit || defer < 0 ||
+      defer > kAttMaxDefer)
     return cudaErrorInvalidValue;
   const int G = n_head / n_head_kv;
   if (head_dim == 64)
     return attention_decode_g<2>(G, qkv, pos0, q_norm, k_norm, eps, rope, k_cache, v_cache, n_head_kv, n_split,
-                                 partials, counters, out, rope_cs, s);
+                                 partials, counters, out, rope_cs, s, defer);
   return attention_decode_g<4>(G, qkv, pos0, q_norm, k_norm, eps, rope, k_cache, v_cache, n_head_kv, n_split, partials,
-                               counters, out, rope_cs, s);
+                               counters, out, rope_cs, s, defer);
+}
+
+int attention_min_chunk() {
+  static const int v = [] {
+    const char* e = std::getenv("MOE_CUDA_ATT_CHUNK");
+    return e ? std::clamp(std::atoi(e), 1, 1 << 20) : kDecMinChunk;
+  }();
+  return v;
 }
 
 cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s) {

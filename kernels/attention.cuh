@@ -245,16 +245,17 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
                                                       const Rope& rope, __half* kc, __half* vc, int n_head_kv,
                                                       int n_split, float* partials, int* counters, float* out_all,
                                                       const float* rope_cs, float* sm, bool wait_prev,
-                                                      int min_chunk = kDecMinChunk) {
-  constexpr int HD = D * 32, PS = HD + 2, kWarps = kDecWarps;
+                                                      int min_chunk = kDecMinChunk, int defer = 0) {
+  constexpr int HD = D * 32, PS = attention_partial_stride(HD), kWarps = kDecWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
   const int pos = pos0[0];
   const int len = pos + 1;
-  int chunk = (len + n_split - 1) / n_split;
-  if (n_split > 1 && chunk < min_chunk) chunk = min_chunk;
-  const int n_eff = (len + chunk - 1) / chunk;
+  int chunk;
+  const int n_eff = dec_slices(len, n_split, min_chunk, chunk);
   if (sp >= n_eff) return;  // uniform over the block
+  // 2 .. defer slices: the O projection merges them (AttSlices, launch.cuh)
+  const bool deferred = n_eff > 1 && n_eff <= defer;
   const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
   KVGroup<D, kWarps> grp;  // the first group's K/V rows: their loads overlap the norm and RoPE below
   kv_group_load(grp, kc, vc, kv_dim, static_cast<int64_t>(g) * HD, c0, c1, pos);
@@ -330,7 +331,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
     }
   }
   MOE_TRACE_MARK(3);
-  if (n_eff == 1) {
+  if (n_eff == 1 || deferred) {
     __syncthreads();
     return;
   }

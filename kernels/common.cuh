@@ -24,6 +24,23 @@ __device__ __forceinline__ void pdl_sync() {
   pdl_wait();
   pdl_trigger();
 }
+// The decode attention's cut of a context of len positions into slices (the attention and the O
+// projection that merges deferred slices must agree): slices of `chunk` positions, at least min_chunk
+// when there are several; returns how many hold positions.
+__host__ __device__ __forceinline__ int dec_slices(int len, int n_split, int min_chunk, int& chunk) {
+  chunk = (len + n_split - 1) / n_split;
+  if (n_split > 1 && chunk < min_chunk) chunk = min_chunk;
+  return (len + chunk - 1) / chunk;
+}
+// A release store and an acquire load at GPU scope (a flag that orders the writes before it).
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 // Pulls `bytes` at p into L2 (spread over the lanes of a warp).
 __device__ __forceinline__ void prefetch_l2(const uint8_t* p, int64_t bytes, int lane) {
   for (int64_t off = static_cast<int64_t>(lane) * 128; off < bytes; off += 32 * 128)

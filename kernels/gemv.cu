@@ -630,8 +630,15 @@ bool router_in_o_proj_supported(const LayerWeights& L, int n_used) {
 }
 
 cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
-                          const RouterAcc& acc, cudaStream_t s) {
+                          const RouterAcc& acc, cudaStream_t s, const AttSlices* att) {
   if (!o_router_ok(O, R) || acc.n != R.rows || !acc.acc || !acc.ref || !norm_w)
+    return cudaErrorInvalidValue;
+  // deferred slices: every float4 run of a warp in one head (head_dim a multiple of 128), and all of x in
+  // the staging's registers (tc_gemv: up to 4,096 columns)
+  if (att && att->defer > 0 &&
+      (!att->partials || !att->pos || att->defer > kAttMaxDefer || att->head_dim % 128 != 0 || att->group < 1 ||
+       att->n_head_kv < 1 || att->n_split < 1 || att->min_chunk < 1 ||
+       O.cols != att->n_head_kv * att->group * att->head_dim || O.cols > 4096))
     return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   const GemvOut out{O, x};
@@ -640,17 +647,19 @@ cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, 
   a.router = reinterpret_cast<const float*>(R.data);
   a.router_stride = R.row_stride / 4;
   a.router_norm = norm_w;
+  if (att && att->defer > 0) a.att = *att;
   return tc_gemv(a, s);
 }
 
 cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                                const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
-                               cudaStream_t s) {
+                               cudaStream_t s, const EarlyIds* early) {
   if (acc.n < 1 || acc.n > 256 || n_used < 1 || n_used > 64 || n_used > acc.n || !acc.acc || !acc.ref || !norm_w ||
       !tc_enabled() || !tc_type(G.type) || !tc_type(U.type) || G.cols != U.cols || G.rows != U.rows)
     return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
-  return tc_gate_up_acc(G, U, x, norm_w, eps, acc, n_used, ids, weights, act, s);
+  if (early && early->tag && (!early->pos || early->layer < 0 || early->layer >= 1024)) return cudaErrorInvalidValue;
+  return tc_gate_up_acc(G, U, x, norm_w, eps, acc, n_used, ids, weights, act, s, early);
 }
 
 cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
@@ -669,10 +678,11 @@ cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const flo
 bool expert_down_sends_ahead(const Mat& D) { return tc_enabled() && tc_type(D.type); }
 
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
-                            float* x, cudaStream_t s, const L2Ahead* ahead) {
+                            float* x, cudaStream_t s, const L2Ahead* ahead, const EarlyIds* early) {
   if (n_used > 64) return cudaErrorInvalidValue;
+  if (early && early->tag && (!early->pos || early->layer < 0 || early->layer >= 1024)) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
-  if (tc_enabled() && tc_type(D.type)) return tc_down(D, act, ids, weights, n_used, x, s, ahead);
+  if (tc_enabled() && tc_type(D.type)) return tc_down(D, act, ids, weights, n_used, x, s, ahead, early);
   const int n_tiles = (D.rows + 1) / 2;
   static const int per_sm = blocks_per_sm(expert_down_kernel<2>, kThreads, x_smem(8 * 768));
   return launch_pdl(expert_down_kernel<2>, dim3(grid_for(n_tiles, per_sm)), dim3(kThreads),

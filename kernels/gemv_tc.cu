@@ -90,6 +90,73 @@ __device__ __forceinline__ void add_router_partial(const GemvArgs& a, const Rout
   atomicAdd(acc + threadIdx.x, static_cast<unsigned long long>(to_fixed((p0 + p1) * unit)));
 }
 
+// The O projection's input from the decode attention's deferred slices (AttSlices, launch.cuh): how many
+// slices the position's context has when the attention left them here (2 .. defer), else 0.
+__device__ __forceinline__ int deferred_slices(const AttSlices& at, int pos) {
+  if (at.defer < 2 || !at.partials) return 0;
+  int chunk;
+  const int n = dec_slices(pos + 1, at.n_split, at.min_chunk, chunk);
+  return n >= 2 && n <= at.defer ? n : 0;
+}
+// stage_load's registers of x from the n slices: each float4 of x (a run of 32 lanes lies in one head:
+// head_dim a multiple of 128, checked on the host) is Σ_s A_s exp(m_s - M) / Σ_s L_s exp(m_s - M), with
+// the same operations in the same order as the attention's merge (attention_decode_item), so the same
+// floats. Lane s < n loads slice s's m and L; every slice's A goes out at once (one round trip).
+template <int R>
+__device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, int cols, XLoad<R>& l) {
+  constexpr int NM = kAttMaxDefer;
+  const int groups = cols >> 8, nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int HD = at.head_dim, G = at.group, PS = attention_partial_stride(HD);
+  const int64_t ss = static_cast<int64_t>(G) * PS;  // slice stride
+  float mv[R], lv[R];
+  float4 pv[R][NM];
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    const int g = warp + (k >> 1) * nw, e = 4 * (g * 64 + (k & 1) * 32 + lane);
+    mv[k] = -INFINITY;
+    lv[k] = 0.f;
+    if (g < groups) {
+      const int h = e / HD, d = e - h * HD, kv = h / G, hl = h - kv * G;
+      const float* p = at.partials + (static_cast<int64_t>(kv) * at.n_split * G + hl) * PS;
+      if (lane < n) {
+        mv[k] = __ldcg(p + lane * ss + HD);
+        lv[k] = __ldcg(p + lane * ss + HD + 1);
+      }
+#pragma unroll
+      for (int s = 0; s < NM; ++s)
+        if (s < n) pv[k][s] = __ldcg(reinterpret_cast<const float4*>(p + s * ss + d));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    if (warp + (k >> 1) * nw >= groups) continue;  // uniform over the warp
+    const float M = warp_max(mv[k]);
+    const float w = lane < n ? expf(mv[k] - M) : 0.f;
+    float Ls = 0.f;
+    for (int s = 0; s < n; ++s) Ls = fmaf(__shfl_sync(0xffffffffu, lv[k], s), __shfl_sync(0xffffffffu, w, s), Ls);
+    const float inv = 1.f / Ls;
+    float4 a[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) a[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [](float4& t, const float4& v, float ws) {
+      t.x = fmaf(v.x, ws, t.x);
+      t.y = fmaf(v.y, ws, t.y);
+      t.z = fmaf(v.z, ws, t.z);
+      t.w = fmaf(v.w, ws, t.w);
+    };
+    // the attention's four chains: slices 4i + c to chain c, the slices past the last full four to chain 0
+    const int full = n & ~3;
+#pragma unroll
+    for (int s = 0; s < NM; ++s) {
+      if (s >= n) break;
+      const float ws = __shfl_sync(0xffffffffu, w, s);
+      add(a[s < full ? (s & 3) : 0], pv[k][s], ws);
+    }
+    l.x[k] = make_float4(((a[0].x + a[1].x) + (a[2].x + a[3].x)) * inv, ((a[0].y + a[1].y) + (a[2].y + a[3].y)) * inv,
+                         ((a[0].z + a[1].z) + (a[2].z + a[3].z)) * inv, ((a[0].w + a[1].w) + (a[2].w + a[3].w)) * inv);
+  }
+}
+
 template <uint32_t T, bool kPipe, int kW>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
                                              float (*part)[16], bool route, const RouterCols& rc, float* s_y,
@@ -133,8 +200,8 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // warps' own loads keep enough bytes in flight). LM head 100-106 vs 112-113 us per token (trace).
 // kW: warps per block: 16 for the O projection with the routing (one super-block each of its 4,096
 // columns, staging and tail shorter: BM_Decode/0 496.2-499.7 vs 492.5-494.8 tok/s with 8 warps).
-template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
-__global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
+template <int R, bool kRoute, bool kWarpTiles, int kW>
+__device__ __forceinline__ void tc_gemv_body(const GemvArgs& a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kW][16];
@@ -164,9 +231,15 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   // programmatic dependent launch they go to L2 while it runs
   prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
+  // the decode position (for the attention's deferred slices) does not come from the previous kernel
+  const int att_pos = kRoute && a.att.defer > 1 ? __ldcg(a.att.pos) : 0;
   pdl_sync();
   XLoad<R> xl;
-  stage_load<R>(a.x, a.cols, a.norm_w, xl);
+  const int slices = kRoute ? deferred_slices(a.att, att_pos) : 0;
+  if (slices)
+    stage_load_slices<R>(a.att, slices, a.cols, xl);
+  else
+    stage_load<R>(a.x, a.cols, a.norm_w, xl);
   const float ref = kRoute ? __ldcg(a.racc.ref) : 0.f;  // the unit of the router's sums (used after the MMAs)
   MOE_TRACE_MARK(1);
   prefetch(blockIdx.x + gridDim.x);
@@ -218,6 +291,11 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
       }
     }
   }
+}
+
+template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
+__global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
+  tc_gemv_body<R, kRoute, kWarpTiles, kW>(a);
 }
 
 // ---- the choice from o_proj_router's sums (the gate/up kernel) --------------------------------------
@@ -273,7 +351,8 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
                                                          float eps, const float* __restrict__ logits,
                                                          const long long* __restrict__ racc,
                                                          const float* __restrict__ ref, int n_expert, int n_used,
-                                                         int32_t* ids_out, float* w_out, float* act) {
+                                                         int32_t* ids_out, float* w_out, float* act,
+                                                         const __grid_constant__ EarlyIds early) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[8][16];
@@ -295,7 +374,16 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   __shared__ float s_scale, s_unit;  // kAcc: rmsnorm's 1/rms from the sum of squares, the sums' unit 2^-32 ref
   if constexpr (kAcc) {
     choose_from_sums(sl, n_expert, n_used, G.cols, eps, s_logit, s_id, s_w, &s_scale, &s_unit);
-    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) ids_out[threadIdx.x] = s_id[threadIdx.x];
+    if (blockIdx.x == 0) {
+      if (static_cast<int>(threadIdx.x) < n_used) ids_out[threadIdx.x] = s_id[threadIdx.x];
+      if (early.tag) {  // the down kernel's early hint (EarlyIds): the ids, then the tag
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          st_release_gpu(early.tag, early_ids_tag(__ldcg(early.pos), early.layer));
+        }
+      }
+    }
   } else {
     choose_experts(logits, n_expert, n_used, s_logit, s_id, s_w, blockIdx.x == 0);
     if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < n_used) {  // for the down kernel
@@ -349,13 +437,23 @@ constexpr int kDownWarps = 24;
 template <uint32_t T>
 __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, const int32_t* ids, const float* weights,
                                              int n_used, float* x, const XQ& xq, float* red, float (*part)[16],
-                                             int32_t* sid, float* sw) {
+                                             int32_t* sid, float* sw, const EarlyIds& early) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int r0 = blockIdx.x * 16;
   const int n = D.cols * n_used;
   const int64_t es = D.expert_stride;
   const int64_t og = min(r0 + g, D.rows - 1) * D.row_stride, o8 = min(r0 + g + 8, D.rows - 1) * D.row_stride;
   const int n_sb = D.cols / 256;
+  // the gate/up kernel's ids, if its block 0 wrote them for this token and layer (EarlyIds): their rows
+  // to L2 before the wait
+  int early_id = -1;
+  if (early.tag && static_cast<int>(threadIdx.x) < n_used &&
+      ld_acquire_gpu(early.tag) == early_ids_tag(__ldcg(early.pos), early.layer)) {
+    early_id = __ldcg(ids + threadIdx.x);  // an id the gate/up kernel wrote (the tag follows the ids)
+    if (early_id >= 0)
+      bulk_prefetch_l2(D.data + early_id * es + r0 * D.row_stride,
+                       static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+  }
   pdl_sync();
   XLoad<2> xl;
   stage_load<2>(act, n, nullptr, xl);
@@ -367,7 +465,8 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
     const int id = ids[threadIdx.x];
     sid[threadIdx.x] = id;
     sw[threadIdx.x] = weights[threadIdx.x];
-    bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+    if (id != early_id)
+      bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
   }
   MOE_TRACE_MARK(2);
   stage_finish<2>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
@@ -391,7 +490,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
                                                                      const float* __restrict__ act,
                                                                      const int32_t* __restrict__ ids,
                                                                      const float* __restrict__ weights, int n_used,
-                                                                     float* x, const __grid_constant__ L2Ahead ahead) {
+                                                                     float* x, const __grid_constant__ L2Ahead ahead,
+                                                                     const __grid_constant__ EarlyIds early) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kDownWarps][16];
@@ -408,9 +508,9 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
   }
   const XQ xq = carve_xq(smem, D.cols * n_used);
   switch (D.type) {
-    case layout::Q4_K: tc_down_body<layout::Q4_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
-    case layout::Q5_K: tc_down_body<layout::Q5_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
-    case layout::Q6_K: tc_down_body<layout::Q6_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw); break;
+    case layout::Q4_K: tc_down_body<layout::Q4_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw, early); break;
+    case layout::Q5_K: tc_down_body<layout::Q5_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw, early); break;
+    case layout::Q6_K: tc_down_body<layout::Q6_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw, early); break;
     default: break;
   }
 }
@@ -466,28 +566,30 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
   const int tiles = (G.rows + 15) / 16;
   return launch_pdl(tc_gate_up_kernel<false>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h,
                     static_cast<const float*>(nullptr), 0.f, logits, static_cast<const long long*>(nullptr),
-                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act);
+                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{});
 }
 
 cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
-                           const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s) {
+                           const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s,
+                           const EarlyIds* early) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
   const int tiles = (G.rows + 15) / 16;
   return launch_pdl(tc_gate_up_kernel<true>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, x, norm_w, eps,
                     static_cast<const float*>(nullptr), static_cast<const long long*>(acc.acc),
-                    static_cast<const float*>(acc.ref), acc.n, n_used, ids, weights, act);
+                    static_cast<const float*>(acc.ref), acc.n, n_used, ids, weights, act,
+                    early ? *early : EarlyIds{});
 }
 
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
-                    cudaStream_t s, const L2Ahead* ahead) {
+                    cudaStream_t s, const L2Ahead* ahead, const EarlyIds* early) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
   L2Ahead ah = ahead ? *ahead : L2Ahead{};
   for (int i = 0; i < 3; ++i)
     if (ah.bytes[i] <= 0 || ah.bytes[i] % 16 != 0) ah.base[i] = nullptr;  // bulk prefetches take multiples of 16
   return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(kDownWarps * 32), xq_smem(D.cols * n_used), s, D,
-                    act, ids, weights, n_used, x, ah);
+                    act, ids, weights, n_used, x, ah, early ? *early : EarlyIds{});
 }
 
 }  // namespace moe::cuda::k

@@ -28,6 +28,7 @@ struct GemvArgs {
   int64_t router_stride = 0;
   const float* router_norm = nullptr;
   int skip_prefetch = 0;          // the weights were sent to L2 by an earlier kernel (gemv's weights_in_l2)
+  AttSlices att;                  // O: the attention's slices to merge while staging x (launch.cuh)
 };
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                    int rows_per_tile, const L2Hint* hint);
@@ -37,8 +38,9 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);
 cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
                        int32_t* ids, float* weights, float* act, cudaStream_t s);
 cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
-                           const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s);
+                           const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s,
+                           const EarlyIds* early);
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
-                    cudaStream_t s, const L2Ahead* ahead);
+                    cudaStream_t s, const L2Ahead* ahead, const EarlyIds* early);
 
 }  // namespace moe::cuda::k

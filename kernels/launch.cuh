@@ -71,6 +71,23 @@ struct RouterAcc {
   float* ref = nullptr;      // one float
   int n = 0;                 // experts
 };
+// The decode attention's slices left to the O projection (attention_decode's `defer`, o_proj_router's
+// `att`): when the position's context is cut into 2 .. defer slices (at most kAttMaxDefer), the attention
+// writes each slice's unnormalised output with its softmax max and sum to `partials` and stops there; the
+// O projection's blocks merge them while they stage their input, in the attention's own order of
+// operations (the same floats as its merge). One slice, or more than defer, and the attention merges
+// as before (its last block, after a counter). Slices: attention_slices below; partials hold
+// attention_partial_stride(head_dim) floats per (KV head, slice, query head of the group).
+constexpr int kAttMaxDefer = 8;
+struct AttSlices {
+  const float* partials = nullptr;  // null: the O projection reads the merged output
+  const int32_t* pos = nullptr;     // the decode position (the context is pos[0] + 1 long)
+  int n_head_kv = 0, group = 0, head_dim = 0, n_split = 1, min_chunk = 32, defer = 0;
+};
+constexpr int attention_partial_stride(int head_dim) { return head_dim + 4; }  // 16-byte rows
+// The decode attention's minimum slice length (32 positions; MOE_CUDA_ATT_CHUNK=n for experiments).
+int attention_min_chunk();
+
 // Weights that the kernel after next will read (the next layer's Q, K and V): every block of the kernel
 // given them sends its 1/gridDim share of each region to L2 at its start, so that they are there when
 // that kernel's blocks, which cannot start while the giver's blocks fill the SMs, need them.
@@ -86,14 +103,27 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
 // weights_in_l2: an earlier kernel sent the matrices to L2 (expert_down_add's `ahead`): the tensor-core
 // GEMV does not prefetch them itself.
 // x += O·o, acc[c] += Σ_r R[c][r] norm_w[r] x[r] and acc[n] += Σ_r x[r]² over the new x (units as above).
+// att (when given and att->defer > 0): o is the attention's output unless it left slices to merge (above).
 cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
-                          const RouterAcc& acc, cudaStream_t s);
+                          const RouterAcc& acc, cudaStream_t s, const AttSlices* att = nullptr);
 // expert_gate_up with the logits from o_proj_router's acc: h = rmsnorm(x) * norm_w staged in every
 // block with 1/rms = (acc[n] 2^-32 ref² / n_x + eps)^-1/2, logits = acc[c] 2^-32 ref / rms; the choice and
 // weights as expert_gate_up's.
+// The chosen experts' ids as an early hint for the down kernel: the gate/up kernel's block 0 writes the
+// ids, then *tag = early_ids_tag(pos[0], layer) (release); each down block reads the tag before its wait
+// for the gate/up grid and, when it matches, sends its rows of those experts to L2 right away (the
+// gate/up grid's last blocks are still running; its ids were written long before). A hint only: the
+// down kernel multiplies with the ids it reads after its wait, so a stale or missing tag costs at
+// most a prefetch. Layers < 1024.
+struct EarlyIds {
+  int* tag = nullptr;  // null: no hint
+  const int32_t* pos = nullptr;
+  int layer = 0;
+};
+constexpr int early_ids_tag(int pos, int layer) { return (pos + 1) * 1024 + layer; }
 cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                                const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
-                               cudaStream_t s);
+                               cudaStream_t s, const EarlyIds* early = nullptr);
 
 // MoE routing for one token, first half: h = rmsnorm(x) * norm_w (written to h_out) and the router
 // logits = R·h (R.rows floats). The experts are chosen by expert_gate_up.
@@ -108,7 +138,7 @@ cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const flo
                            int32_t* ids, float* weights, float* act, cudaStream_t s);
 // x[r] += Σ_j weights[j] * D_e.row(r)·act[j] for e = ids[j] (decode).
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
-                            float* x, cudaStream_t s, const L2Ahead* ahead = nullptr);
+                            float* x, cudaStream_t s, const L2Ahead* ahead = nullptr, const EarlyIds* early = nullptr);
 // Whether expert_down_add sends `ahead` to L2 for this matrix (the tensor-core kernel does).
 bool expert_down_sends_ahead(const Mat& D);
 
@@ -133,7 +163,7 @@ bool attention_supported(int n_head, int n_head_kv, int head_dim);
 cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,
                              Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
                              int n_split, float* partials, int* counters, float* out, const float* rope_cs,
-                             cudaStream_t s);
+                             cudaStream_t s, int defer = 0);
 // RoPE tables of positions pos0[0] + t, t < n: row t (head_dim floats at out + t head_dim) holds the cos
 // of the pairs in [0, head_dim/2) and their sin in [head_dim/2, head_dim).
 cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s);

@@ -332,7 +332,7 @@ class CudaForward final : public Forward {
         B * K * F * f,                                        // act
         B * K * E * f,                                        // expert outputs
         B * V * f,                                            // logits
-        c_.n_head_kv * static_cast<size_t>(decode_splits()) * G * (c_.head_dim + 2) * f,  // partials
+        c_.n_head_kv * static_cast<size_t>(decode_splits()) * G * k::attention_partial_stride(static_cast<int>(c_.head_dim)) * f,  // partials
         B * c_.n_head_kv * 4,                                 // counters
         X * f,                                                // router logits (decode)
         64,                                                   // -, token, pos, prefill pos, argmax, barrier
@@ -477,6 +477,7 @@ class CudaForward final : public Forward {
     prefill_pos_ = small + 3;
     argmax_.ptr = small + 4;
     barrier_ = reinterpret_cast<unsigned*>(small + 8);
+    early_tag_ = small + 12;  // k::EarlyIds
     prefill_ids_ = reinterpret_cast<int32_t*>(p[18]);
     argmax_scratch_ = reinterpret_cast<float*>(p[19]);
     rope_cs_ = reinterpret_cast<float*>(p[20]);
@@ -542,11 +543,22 @@ class CudaForward final : public Forward {
                     fused_router_ ? &racc_ : nullptr, qkv_in_l2),
             step);
       check(k::attention_decode(qkv_, pos_, L.q_norm, L.k_norm, eps, rp, k_cache(l), v_cache(l), c_.n_head,
-                                c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, rope_cs_, stream_),
+                                c_.n_head_kv, c_.head_dim, decode_splits(), partials_, counters_, o_, rope_cs_, stream_,
+                                att_.defer),
             step);
+      // the chosen experts' ids as a hint for the down kernel's early prefetch (the fused routing's gate/up
+      // kernel writes the tag; MOE_CUDA_EARLY_IDS=0 off)
+      k::EarlyIds early;
+      if (fused_router_ && early_ids_ && l < 1024) {
+        early.tag = early_tag_;
+        early.pos = pos_;
+        early.layer = static_cast<int>(l);
+      }
       if (fused_router_) {  // the router's sums in the O projection, the choice in the gate/up blocks
-        check(k::o_proj_router(L.o, o_, x_, L.router, L.ffn_norm, racc_, stream_), step);
-        check(k::expert_gate_up_acc(L.gate, L.up, x_, L.ffn_norm, eps, racc_, K, ids_, wts_, act_, stream_), step);
+        check(k::o_proj_router(L.o, o_, x_, L.router, L.ffn_norm, racc_, stream_, &att_), step);
+        check(k::expert_gate_up_acc(L.gate, L.up, x_, L.ffn_norm, eps, racc_, K, ids_, wts_, act_, stream_,
+                                    early.tag ? &early : nullptr),
+              step);
       } else {
         k::GemvOut out{L.o, x_};
         check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
@@ -566,7 +578,8 @@ class CudaForward final : public Forward {
           next.bytes[i] = m3[i]->rows * m3[i]->row_stride;
         }
       }
-      check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_, l + 1 < layers_.size() ? &next : nullptr),
+      check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_, l + 1 < layers_.size() ? &next : nullptr,
+                               early.tag ? &early : nullptr),
             step);
     }
     k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
@@ -625,10 +638,30 @@ class CudaForward final : public Forward {
     use_persist_ = true;
   }
 
+  // The decode attention's slices merged by the O projection (k::AttSlices) when the routing is in the O
+  // projection and the head size allows it; MOE_CUDA_ATT_DEFER=0 keeps the attention's own merge.
+  k::AttSlices att_slices() const {
+    k::AttSlices a;
+    const char* v = std::getenv("MOE_CUDA_ATT_DEFER");
+    if (!fused_router_ || (v && v[0] == '0') || c_.head_dim % 128 != 0 || c_.q_dim() > 4096) return a;
+    a.partials = partials_;
+    a.pos = pos_;
+    a.n_head_kv = static_cast<int>(c_.n_head_kv);
+    a.group = static_cast<int>(c_.n_head / c_.n_head_kv);
+    a.head_dim = static_cast<int>(c_.head_dim);
+    a.n_split = decode_splits();
+    a.min_chunk = k::attention_min_chunk();
+    a.defer = k::kAttMaxDefer;
+    return a;
+  }
+
   // Captures the decode graphs with the persistent kernel when it is available, else (or when its
   // capture fails: a driver without cooperative launches in graphs) with one kernel per step.
   void capture() {
     fused_router_ = fused_router();
+    att_ = att_slices();
+    const char* ei = std::getenv("MOE_CUDA_EARLY_IDS");
+    early_ids_ = !(ei && ei[0] == '0');
     setup_persist();
     if (use_persist_) {
       try {
@@ -790,6 +823,7 @@ class CudaForward final : public Forward {
   float *act_ = nullptr, *expert_out_ = nullptr, *argmax_scratch_ = nullptr, *partials_ = nullptr, *route_logits_ = nullptr;
   int32_t *token_ = nullptr, *pos_ = nullptr, *prefill_pos_ = nullptr;
   unsigned* barrier_ = nullptr;
+  int32_t* early_tag_ = nullptr;  // the expert ids' tag for the down kernel's early prefetch (k::EarlyIds)
   float* rope_cs_ = nullptr;
   // the persistent decode kernel (decode_persist.cu): its layer table, arguments and launch shape
   DeviceBuffer persist_table_, profile_;
@@ -799,6 +833,8 @@ class CudaForward final : public Forward {
   int persist_blocks_ = 0;
   bool use_persist_ = false;
   bool fused_router_ = false;
+  k::AttSlices att_;  // the attention's slices the O projection merges (att_slices)
+  bool early_ids_ = true;  // the down kernel's early expert-row prefetch (k::EarlyIds)
   k::RouterAcc racc_;
   struct {
     void* ptr = nullptr;

@@ -423,6 +423,64 @@ TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
     }
 }
 
+// The chosen experts' ids as an early hint for the down kernel (k::EarlyIds): the gate/up kernel writes
+// the tag for its position and layer after the ids, and the down kernel's result is the same bits with
+// no hint, a fresh one, or a stale tag that names this position and layer over other experts' ids (a
+// hint only sends rows to L2).
+TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int n = 512, C = 1024, X = 16, K = 4, F = 256, pos = 37, layer = 5;
+  const float eps = 1e-6f;
+  QMatrix O(Type::Q4_K, n, C, rng, 0.05f), R(Type::F32, X, n, rng, 0.2f);
+  QMatrix G(Type::Q4_K, X * F, n, rng), U(Type::Q4_K, X * F, n, rng), D(Type::Q6_K, X * n, F, rng);
+  const std::vector<float> x = randn(n, rng, 2.f), o = randn(C, rng), g = randn(n, rng);
+  std::vector<float> want;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    Dev<float> dx(x), dO(o), dg(g), dw(K), act(K * F), ref(std::vector<float>{1.f});
+    Dev<long long> sums(std::vector<long long>(X + 1, 0));
+    Dev<int32_t> di(std::vector<int32_t>{X - 1, X - 2, X - 3, X - 4}), dpos(std::vector<int32_t>{pos});
+    Dev<int> tag(std::vector<int>{variant == 2 ? k::early_ids_tag(pos, layer) : 0});
+    k::RouterAcc ra;
+    ra.acc = sums.p;
+    ra.ref = ref.p;
+    ra.n = X;
+    k::EarlyIds early;
+    early.tag = tag.p;
+    early.pos = dpos.p;
+    early.layer = layer;
+    const k::EarlyIds* e = variant ? &early : nullptr;
+    ok(k::o_proj_router(O.mat(), dO.p, dx.p, R.mat(), dg.p, ra, nullptr));
+    if (variant == 2) {  // the down kernel alone first: it finds the stale tag over the preset ids
+      Dev<float> scratch(x);
+      ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, scratch.p, nullptr, nullptr, e));
+      ok(cudaDeviceSynchronize());
+    }
+    ok(k::expert_gate_up_acc(G.mat(F), U.mat(F), dx.p, dg.p, eps, ra, K, di.p, dw.p, act.p, nullptr, e));
+    ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, dx.p, nullptr, nullptr, e));
+    ok(cudaDeviceSynchronize());
+    EXPECT_EQ(tag.get()[0], variant ? k::early_ids_tag(pos, layer) : 0);
+    const std::vector<float> got = dx.get();
+    if (variant == 0) {
+      want = got;
+      double moved = 0;
+      for (int r = 0; r < n; ++r) moved += std::fabs(got[r] - x[r]);
+      EXPECT_GT(moved, 0.0);
+    } else {
+      for (int r = 0; r < n; ++r) ASSERT_EQ(got[r], want[r]) << "x row " << r;
+    }
+  }
+  k::EarlyIds bad;
+  Dev<int> t(1);
+  bad.tag = t.p;  // no position
+  Dev<float> a(8), xx(8), w(1);
+  Dev<int32_t> ids(1);
+  EXPECT_EQ(k::expert_down_add(D.mat(n), a.p, ids.p, w.p, 1, xx.p, nullptr, nullptr, &bad), cudaErrorInvalidValue);
+}
+
 TEST(CudaKernels, ExpertGateUpAndDownDecodeMatchTwin) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -687,6 +745,106 @@ TEST(CudaKernels, PrefillAttentionEveryShapeMatchesTwin) {
 
 }  // namespace
 
+// The decode attention's slices left to the O projection (k::AttSlices): for contexts of 1 to 9 slices the
+// O projection's x and router sums are the same bits as with the attention's own merge, and where the
+// attention defers (2 .. 8 slices) it leaves its merged output and counters untouched. Against the twin
+// of the non-deferred chain (AttentionDecodeFusesNormRopeAndStore, RouterInOProjectionMatchesTwin).
+TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int G : {8, 4}) {
+    const int hd = 128, n_kv = 2, n_head = n_kv * G, ctx = 320, n_split = 64, X = 16;
+    const int Q = n_head * hd, KV = n_kv * hd, E = 512;
+    const float eps = 1e-6f;
+    const int chunk_min = k::attention_min_chunk();
+    QMatrix O(Type::Q4_K, E, Q, rng, 0.05f), R(Type::F32, X, E, rng, 0.2f);
+    std::vector<uint16_t> hk(static_cast<size_t>(ctx) * KV), hv(hk.size());
+    for (size_t i = 0; i < hk.size(); ++i) {
+      hk[i] = moe::quant::f32_to_fp16(randn(1, rng)[0]);
+      hv[i] = moe::quant::f32_to_fp16(randn(1, rng)[0]);
+    }
+    const std::vector<float> qkv = randn(static_cast<size_t>(Q + 2 * KV), rng, 2.f), qn = randn(hd, rng),
+                             kn = randn(hd, rng), x = randn(E, rng), g = randn(E, rng);
+    moe::cuda::k::Rope rope;
+    rope.theta_scale = std::pow(1e6f, -2.0f / hd);
+    // contexts of 1, 2, 5, 8 and 9 slices of the minimum length (the last is past what the O projection takes)
+    for (int slices : {1, 2, 5, 8, 9}) {
+      const int past = slices == 1 ? 3 : std::min(ctx - 1, (slices - 1) * chunk_min + 1);
+      const int chunk = std::max((past + 1 + n_split - 1) / n_split, chunk_min);
+      const int n_eff = (past + 1 + chunk - 1) / chunk;
+      SCOPED_TRACE(::testing::Message() << "G " << G << " past " << past << " slices " << n_eff);
+      std::vector<float> xs[2];
+      std::vector<long long> sums[2];
+      for (int defer : {0, k::kAttMaxDefer}) {
+        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), dx(x), dg(g);
+        Dev<float> partials(static_cast<size_t>(n_kv) * n_split * G * k::attention_partial_stride(hd));
+        Dev<uint16_t> dk(hk), dv(hv);
+        Dev<int32_t> dpos(std::vector<int32_t>{past});
+        Dev<int> counters(std::vector<int>(n_kv, 0));
+        Dev<long long> acc(std::vector<long long>(X + 1, 0));
+        Dev<float> ref(std::vector<float>{1.f});
+        k::RouterAcc ra;
+        ra.acc = acc.p;
+        ra.ref = ref.p;
+        ra.n = X;
+        k::AttSlices at;
+        at.partials = partials.p;
+        at.pos = dpos.p;
+        at.n_head_kv = n_kv;
+        at.group = G;
+        at.head_dim = hd;
+        at.n_split = n_split;
+        at.min_chunk = chunk_min;
+        at.defer = defer;
+        ok(k::attention_decode(dqkv.p, dpos.p, dqn.p, dkn.p, eps, rope, dk.p, dv.p, n_head, n_kv, hd, n_split,
+                               partials.p, counters.p, out.p, nullptr, nullptr, defer));
+        ok(k::o_proj_router(O.mat(), out.p, dx.p, R.mat(), dg.p, ra, nullptr, &at));
+        ok(cudaDeviceSynchronize());
+        const int i = defer ? 1 : 0;
+        xs[i] = dx.get();
+        sums[i] = acc.get();
+        const std::vector<float> o = out.get();
+        const bool deferred = defer && n_eff >= 2 && n_eff <= defer;
+        EXPECT_EQ(std::isnan(o[0]) && std::isnan(o[Q - 1]), deferred) << "the merged output written or not";
+        std::vector<int> c = counters.get();
+        EXPECT_EQ(*std::max_element(c.begin(), c.end()), 0);
+        if (!defer) {  // the plain chain moved x
+          double moved = 0;
+          for (int r = 0; r < E; ++r) moved += std::fabs(xs[0][r] - x[r]);
+          EXPECT_GT(moved, 0.0);
+        }
+      }
+      for (int r = 0; r < E; ++r) ASSERT_EQ(xs[1][r], xs[0][r]) << "x row " << r;
+      EXPECT_EQ(sums[1], sums[0]) << "router sums";
+    }
+  }
+  // the host checks: slices with a head size whose warps' float4 runs would cross heads, or more than
+  // kAttMaxDefer
+  QMatrix O(Type::Q4_K, 256, 512, rng), R(Type::F32, 4, 256, rng);
+  Dev<float> o(512), x(256), g(256), ref(1), part(64);
+  Dev<long long> acc(5);
+  Dev<int32_t> pos(1);
+  k::RouterAcc ra;
+  ra.acc = acc.p;
+  ra.ref = ref.p;
+  ra.n = 4;
+  k::AttSlices at;
+  at.partials = part.p;
+  at.pos = pos.p;
+  at.n_head_kv = 1;
+  at.group = 8;
+  at.head_dim = 64;
+  at.defer = 2;
+  EXPECT_EQ(k::o_proj_router(O.mat(), o.p, x.p, R.mat(), g.p, ra, nullptr, &at), cudaErrorInvalidValue);
+  at.group = 4;
+  at.head_dim = 128;
+  at.defer = k::kAttMaxDefer + 1;
+  EXPECT_EQ(k::o_proj_router(O.mat(), o.p, x.p, R.mat(), g.p, ra, nullptr, &at), cudaErrorInvalidValue);
+  cudaGetLastError();
+}
+
 // The fused decode attention (norm + RoPE + KV store + attention of one new token) against the same
 // twin: the new position's K/V are read back fp16-rounded like every cached one.
 TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
@@ -725,7 +883,7 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
       for (bool table : {false, true}) {  // angles per block, or the position's rope_table
         SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " G " << G << " n_split " << n_split
                                           << " table " << table);
-        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(static_cast<size_t>(n_kv) * n_split * G * (hd + 2));
+        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(static_cast<size_t>(n_kv) * n_split * G * k::attention_partial_stride(hd));
         Dev<uint16_t> dk(hk), dv(hv);
         Dev<int32_t> dpos(std::vector<int32_t>{past});
         Dev<int> counters(std::vector<int>(n_kv, 0));

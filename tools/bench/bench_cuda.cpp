@@ -339,7 +339,7 @@ void BM_AttentionDecode(benchmark::State& st) {
   float* qkv = dev_floats(stride);
   float* gains = dev_floats(hd);
   float* out = dev_floats(Hq * hd);
-  float* part = dev_floats(static_cast<size_t>(Hkv) * splits * 8 * (hd + 2));
+  float* part = dev_floats(static_cast<size_t>(Hkv) * splits * 8 * k::attention_partial_stride(hd));
   int *counters = nullptr, *pos = nullptr;
   ck(cudaMalloc(reinterpret_cast<void**>(&counters), Hkv * 4));
   ck(cudaMemset(counters, 0, Hkv * 4));
