@@ -32,14 +32,9 @@ __host__ __device__ __forceinline__ int dec_slices(int len, int n_split, int min
   if (n_split > 1 && chunk < min_chunk) chunk = min_chunk;
   return (len + chunk - 1) / chunk;
 }
-// A release store and an acquire load at GPU scope (a flag that orders the writes before it).
+// A release store at GPU scope (a flag that orders the writes before it).
 __device__ __forceinline__ void st_release_gpu(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 // Pulls `bytes` at p into L2 (spread over the lanes of a warp).
 __device__ __forceinline__ void prefetch_l2(const uint8_t* p, int64_t bytes, int lane) {

@@ -232,10 +232,9 @@ __device__ __forceinline__ void tc_gemv_body(const GemvArgs& a) {
   prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
   // the decode position (for the attention's deferred slices) does not come from the previous kernel
-  const int att_pos = kRoute && a.att.defer > 1 ? __ldcg(a.att.pos) : 0;
+  const int slices = kRoute && a.att.defer > 1 ? deferred_slices(a.att, __ldcg(a.att.pos)) : 0;
   pdl_sync();
   XLoad<R> xl;
-  const int slices = kRoute ? deferred_slices(a.att, att_pos) : 0;
   if (slices)
     stage_load_slices<R>(a.att, slices, a.cols, xl);
   else
@@ -446,13 +445,15 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   const int n_sb = D.cols / 256;
   // the gate/up kernel's ids, if its block 0 wrote them for this token and layer (EarlyIds): their rows
   // to L2 before the wait
+  // (the tag, the position and the id in one round trip: a block that starts only as the gate/up grid ends
+  // must not wait for three; an id read before its tag can only be older, and a wrong hint costs a prefetch)
   int early_id = -1;
-  if (early.tag && static_cast<int>(threadIdx.x) < n_used &&
-      ld_acquire_gpu(early.tag) == early_ids_tag(__ldcg(early.pos), early.layer)) {
-    early_id = __ldcg(ids + threadIdx.x);  // an id the gate/up kernel wrote (the tag follows the ids)
-    if (early_id >= 0)
-      bulk_prefetch_l2(D.data + early_id * es + r0 * D.row_stride,
-                       static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+  if (early.tag && static_cast<int>(threadIdx.x) < n_used) {
+    const int tag = __ldcg(early.tag), p = __ldcg(early.pos), id = __ldcg(ids + threadIdx.x);
+    if (tag == early_ids_tag(p, early.layer) && id >= 0) {
+      early_id = id;
+      bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+    }
   }
   pdl_sync();
   XLoad<2> xl;
