@@ -293,12 +293,12 @@ __global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const 
                                                                           int n_split, float* partials,
                                                                           int* counters, float* out_all,
                                                                           const float* rope_cs, int min_chunk,
-                                                                          int defer) {
+                                                                          int defer, int warm) {
   extern __shared__ float sm[];
   MOE_TRACE_SCOPE(4);
   attention_decode_item<D, G>(blockIdx.x, blockIdx.y, qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split,
-                              partials, counters, out_all, rope_cs, sm, true, min_chunk,
-                              defer);  // waits after its first loads
+                              partials, counters, out_all, rope_cs, sm, true, min_chunk, defer,
+                              warm != 0);  // waits after its first loads
 }
 
 template <int HD, int G>
@@ -326,6 +326,15 @@ cudaError_t flash_g(int G, const float* qkv, int qkv_stride, int n, const int32_
   }
 }
 
+// The decode attention's warm pass before its wait (attention_decode_item); MOE_CUDA_ATT_WARM=0 off.
+bool attention_warm_pass() {
+  static const bool v = [] {
+    const char* e = std::getenv("MOE_CUDA_ATT_WARM");
+    return !(e && e[0] == '0');
+  }();
+  return v;
+}
+
 template <int D, int G>
 cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm,
                                     float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split,
@@ -334,7 +343,7 @@ cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const
   const size_t smem = static_cast<size_t>(dec_smem_floats(G, D * 32)) * sizeof(float);
   return launch_pdl(attention_decode_kernel<D, G>, dim3(n_head_kv, n_split), dim3(kDecWarps * 32), smem, s, qkv, pos0,
                     q_norm, k_norm, eps, rope, static_cast<__half*>(kc), static_cast<__half*>(vc), n_head_kv, n_split,
-                    partials, counters, out, rope_cs, attention_min_chunk(), defer);
+                    partials, counters, out, rope_cs, attention_min_chunk(), defer, attention_warm_pass() ? 1 : 0);
 }
 
 template <int D>

@@ -35,6 +35,7 @@ constexpr int kMaxSplit = 64;
 // positions) at short contexts.
 constexpr int kDecMinChunk = 32;
 
+
 template <int D>
 __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
   if constexpr (D == 2) {
@@ -245,7 +246,8 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
                                                       const Rope& rope, __half* kc, __half* vc, int n_head_kv,
                                                       int n_split, float* partials, int* counters, float* out_all,
                                                       const float* rope_cs, float* sm, bool wait_prev,
-                                                      int min_chunk = kDecMinChunk, int defer = 0) {
+                                                      int min_chunk = kDecMinChunk, int defer = 0,
+                                                      bool warm_pass = false) {
   constexpr int HD = D * 32, PS = attention_partial_stride(HD), kWarps = kDecWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
@@ -276,13 +278,26 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   }
   // everything above reads what was complete before the previous kernel started (the position, the
   // cache rows of earlier positions, the token's RoPE table): with programmatic dependent launch it
-  // overlaps the previous kernel's tail; q, k, v below are that kernel's output
-  if (wait_prev) pdl_sync();
-  MOE_TRACE_MARK(1);
+  // overlaps the previous kernel's tail; q, k, v below are that kernel's output.
+  // Warm pass: before the wait the block runs the same code once over the first group on stale q/k/v
+  // (results discarded, nothing written to global memory), so that the instructions are in this SM's
+  // caches when the real pass starts (a block of this kernel runs on a cold SM in every layer). One loop
+  // body, not a second inlined copy: the same instructions must run twice. Only the first 8 slices of each
+  // KV head warm up: the grid's first blocks, which start while the previous kernel runs; at long
+  // contexts later ones may start only after it, when a warm pass would delay them.
+  constexpr int HPW = (G + kWarps - 1) / kWarps;
+  float m[HPW], l[HPW], acc[HPW][D];
+  const bool kv_warp = warp == kWarps - 1;
+#pragma unroll 1
+  for (int pass = wait_prev && warm_pass && sp < 8 ? 0 : 1; pass < 2; ++pass) {
+  const bool warm = pass == 0;
+  if (!warm) {
+    if (wait_prev) pdl_sync();
+    MOE_TRACE_MARK(1);
+  }
   __syncthreads();
   // the last warp also normalises and stores this position's K and V: their loads go out with its query
   // head's, so that the warp waits for one round trip, not three
-  const bool kv_warp = warp == kWarps - 1;
   float kv_k[HD / 32], kv_v[HD / 32];
   if (kv_warp) {
     norm_rope_load<HD>(row + q_dim + g * HD, kv_k);
@@ -299,7 +314,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
       const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(kv_v[c]);
       kn[i] = __half2float(kh);
       vn[i] = __half2float(vh);
-      if (sp == 0) {
+      if (sp == 0 && !warm) {
         kc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = kh;
         vc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = vh;
       }
@@ -307,13 +322,14 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   }
   __syncthreads();
   MOE_TRACE_MARK(2);
+  // the warm pass covers the first group only: it issues no loads of a next one, so grp still holds the
+  // first group's rows for the real pass
+  attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, grp,
+                                   reinterpret_cast<__half*>(wacc), m, l, acc);
+  }
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;
   float* out = out_all + g * G * HD;
-  constexpr int HPW = (G + kWarps - 1) / kWarps;
-  float m[HPW], l[HPW], acc[HPW][D];
-  attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, c1, pos, kn, vn, grp, reinterpret_cast<__half*>(wacc),
-                                   m, l, acc);
 #pragma unroll
   for (int hi = 0; hi < HPW; ++hi) {
     const int h = warp + kWarps * hi;
