@@ -49,6 +49,15 @@ struct Dev {
 
 inline uint64_t fresh_seed() { return std::random_device{}(); }
 
+// The router's fixed-point sums (k::RouterAcc) over device buffers.
+inline moe::cuda::k::RouterAcc router_acc(long long* acc, float* ref, int n) {
+  moe::cuda::k::RouterAcc r;
+  r.acc = acc;
+  r.ref = ref;
+  r.n = n;
+  return r;
+}
+
 inline std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd = 1.f) {
   std::normal_distribution<float> d(0.f, sd);
   std::vector<float> v(n);

@@ -312,10 +312,7 @@ TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
     Dev<long long> sums(c.X + 1);  // poisoned: the Q/K/V GEMV must zero them
     Dev<float> ref(1);
     Dev<int32_t> di(c.K);
-    k::RouterAcc ra;
-    ra.acc = sums.p;
-    ra.ref = ref.p;
-    ra.n = c.X;
+    const k::RouterAcc ra = router_acc(sums.p, ref.p, c.X);
     std::vector<long long> first;
     for (int rep = 0; rep < 2; ++rep) {
       dx.put(x);
@@ -444,10 +441,7 @@ TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
     Dev<long long> sums(std::vector<long long>(X + 1, 0));
     Dev<int32_t> di(std::vector<int32_t>{X - 1, X - 2, X - 3, X - 4}), dpos(std::vector<int32_t>{pos});
     Dev<int> tag(std::vector<int>{variant == 2 ? k::early_ids_tag(pos, layer) : 0});
-    k::RouterAcc ra;
-    ra.acc = sums.p;
-    ra.ref = ref.p;
-    ra.n = X;
+    const k::RouterAcc ra = router_acc(sums.p, ref.p, X);
     k::EarlyIds early;
     early.tag = tag.p;
     early.pos = dpos.p;
@@ -785,10 +779,7 @@ TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
         Dev<int> counters(std::vector<int>(n_kv, 0));
         Dev<long long> acc(std::vector<long long>(X + 1, 0));
         Dev<float> ref(std::vector<float>{1.f});
-        k::RouterAcc ra;
-        ra.acc = acc.p;
-        ra.ref = ref.p;
-        ra.n = X;
+        const k::RouterAcc ra = router_acc(acc.p, ref.p, X);
         k::AttSlices at;
         at.partials = partials.p;
         at.pos = dpos.p;
@@ -826,10 +817,7 @@ TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
   Dev<float> o(512), x(256), g(256), ref(1), part(64);
   Dev<long long> acc(5);
   Dev<int32_t> pos(1);
-  k::RouterAcc ra;
-  ra.acc = acc.p;
-  ra.ref = ref.p;
-  ra.n = 4;
+  const k::RouterAcc ra = router_acc(acc.p, ref.p, 4);
   k::AttSlices at;
   at.partials = part.p;
   at.pos = pos.p;

@@ -9,25 +9,15 @@
 #            its blocks could only start once the previous kernel's left the SMs)
 #   phases   medians over the working blocks of mark k - that block's mark 1
 # Usage: tools/bench/pdl_report.py trace.csv
-import csv, sys, statistics as st
-rows = [tuple(int(v) for v in r.values()) for r in csv.DictReader(open(sys.argv[1]))]
-names = {1: 'gemv', 2: 'gate_up', 3: 'down', 4: 'attn', 5: 'route'}
-inst = []
-for kind in sorted({r[0] for r in rows}):
-    cur, seen = [], set()
-    for r in sorted((r for r in rows if r[0] == kind), key=lambda r: r[3]):
-        if r[1] in seen:
-            inst.append((kind, cur)); cur, seen = [], set()
-        cur.append(r); seen.add(r[1])
-    if cur: inst.append((kind, cur))
-inst.sort(key=lambda x: min(r[3] for r in x[1]))
+import os, sys, statistics as st
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_instances import read_rows, instances, name_of
+rows = read_rows(sys.argv[1])
+inst = instances(rows)
 agg, prev_end = {}, None
 t_first = min(r[3] for r in rows)
 for kind, rs in inst:
-    n = len(rs)
-    name = names.get(kind, str(kind))
-    if name == 'gemv':
-        name = 'lm_head' if n > 1000 or n in (792, 264) else 'qkv' if n >= 300 else 'o_proj' if n >= 100 else 'gemv%d' % n
+    name = name_of(kind, len(rs))
     wk = [r for r in rs if r[4]]
     end = max(r[10] for r in rs)
     if not wk:

@@ -3,23 +3,13 @@
 # the Q/K/V, O, gate/up and down kernels, how many SMs ran their blocks, how many blocks each SM took, when
 # the SMs with 1, 2 or 3 blocks were done (after the kernel's first wait) and when blocks entered.
 # Usage: tools/bench/sm_report.py trace.csv
-import csv, sys, statistics as st, collections
-rows = [tuple(int(v) for v in r.values()) for r in csv.DictReader(open(sys.argv[1]))]
-names = {1: 'gemv', 2: 'gate_up', 3: 'down', 4: 'attn'}
-inst = []
-for kind in sorted({r[0] for r in rows}):
-    cur, seen = [], set()
-    for r in sorted((r for r in rows if r[0] == kind), key=lambda r: r[3]):
-        if r[1] in seen:
-            inst.append((kind, cur)); cur, seen = [], set()
-        cur.append(r); seen.add(r[1])
-    if cur: inst.append((kind, cur))
-inst.sort(key=lambda x: min(r[3] for r in x[1]))
+import collections, os, sys, statistics as st
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_instances import read_rows, instances, name_of
+inst = instances(read_rows(sys.argv[1]))
 res = collections.defaultdict(list)
 for kind, rs in inst:
-    n = len(rs); name = names.get(kind, str(kind))
-    if name == 'gemv':
-        name = 'lm_head' if n > 1000 or n in (792, 264) else 'qkv' if n >= 300 else 'o_proj' if n >= 100 else 'g%d' % n
+    name = name_of(kind, len(rs))
     if name not in ('qkv', 'gate_up', 'down', 'o_proj'): continue
     w0 = min(r[4] for r in rs if r[4])
     per = collections.defaultdict(list)
