@@ -467,7 +467,9 @@ void BM_Decode(benchmark::State& st) {
 BENCHMARK(BM_Decode)->Arg(0)->Arg(4096)->Iterations(256)->Unit(benchmark::kMicrosecond);
 
 #ifdef MOE_TRACE
-// Per-block timestamps of two decode tokens (trace.cuh), written as CSV to $MOE_TRACE_OUT.
+// Per-block timestamps of two decode tokens (trace.cuh), written as CSV to $MOE_TRACE_OUT: after 8 greedy
+// tokens from an empty context (/0: positions 8-9), or after a prompt of range(0) tokens (/136: positions
+// 144-145, where the CLI's usual measurement decodes; written to $MOE_TRACE_OUT.136).
 void BM_DecodeTrace(benchmark::State& st) {
   Loaded* l = loaded();
   const char* out = std::getenv("MOE_TRACE_OUT");
@@ -485,9 +487,14 @@ void BM_DecodeTrace(benchmark::State& st) {
   k::trace_attach_gemv(buf, count);
   k::trace_attach_attention(buf, count);
   k::trace_attach_decode_persist(buf, count);
-  l->fwd->reset();
+  const int depth = static_cast<int>(st.range(0));
   int32_t tok = 1000;
   for (auto _ : st) {
+    l->fwd->reset();
+    if (depth > 0) {
+      std::vector<float> logits;
+      l->fwd->eval(some_tokens(depth, l->fwd->n_vocab()), false, logits);
+    }
     for (int i = 0; i < 8; ++i) tok = l->fwd->eval_greedy(tok);
     cudaMemset(count, 0, sizeof(unsigned));
     cudaDeviceSynchronize();
@@ -505,7 +512,8 @@ void BM_DecodeTrace(benchmark::State& st) {
   k::trace_attach_decode_persist(nullptr, nullptr);
   cudaFree(buf);
   cudaFree(count);
-  if (FILE* f = std::fopen(out, "w")) {
+  const std::string path = depth > 0 ? std::string(out) + "." + std::to_string(depth) : std::string(out);
+  if (FILE* f = std::fopen(path.c_str(), "w")) {
     std::fprintf(f, "kind,block,sm,t0,t1,t2,t3,t4,t5,t6,t7\n");
     for (const TraceRec& r : recs) {
       std::fprintf(f, "%u,%u,%u", r.kind, r.block, r.sm);
@@ -516,7 +524,7 @@ void BM_DecodeTrace(benchmark::State& st) {
   }
   st.counters["records"] = n;
 }
-BENCHMARK(BM_DecodeTrace)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeTrace)->Arg(0)->Arg(136)->Iterations(1)->Unit(benchmark::kMillisecond);
 #endif
 
 void BM_Prefill(benchmark::State& st) {
