@@ -328,10 +328,7 @@ cudaError_t flash_g(int G, const float* qkv, int qkv_stride, int n, const int32_
 
 // The decode attention's warm pass before its wait (attention_decode_item); MOE_CUDA_ATT_WARM=0 off.
 bool attention_warm_pass() {
-  static const bool v = [] {
-    const char* e = std::getenv("MOE_CUDA_ATT_WARM");
-    return !(e && e[0] == '0');
-  }();
+  static const bool v = env_switch("MOE_CUDA_ATT_WARM", true);
   return v;
 }
 

@@ -35,7 +35,6 @@ constexpr int kMaxSplit = 64;
 // positions) at short contexts.
 constexpr int kDecMinChunk = 32;
 
-
 template <int D>
 __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
   if constexpr (D == 2) {
@@ -290,42 +289,42 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   const bool kv_warp = warp == kWarps - 1;
 #pragma unroll 1
   for (int pass = wait_prev && warm_pass && sp < 8 ? 0 : 1; pass < 2; ++pass) {
-  const bool warm = pass == 0;
-  if (!warm) {
-    if (wait_prev) pdl_sync();
-    MOE_TRACE_MARK(1);
-  }
-  __syncthreads();
-  // the last warp also normalises and stores this position's K and V: their loads go out with its query
-  // head's, so that the warp waits for one round trip, not three
-  float kv_k[HD / 32], kv_v[HD / 32];
-  if (kv_warp) {
-    norm_rope_load<HD>(row + q_dim + g * HD, kv_k);
-    norm_rope_load<HD>(row + q_dim + kv_dim + g * HD, kv_v);
-  }
-  for (int h = warp; h < G; h += kWarps)
-    norm_rope_warp<HD>(row + (g * G + h) * HD, q_norm, cs, sn, eps, rsqrtf(static_cast<float>(HD)), qs + h * HD);
-  if (kv_warp) {
-    norm_rope_vals<HD>(kv_k, k_norm, cs, sn, eps, 1.f, kn);
-    __syncwarp();
+    const bool warm = pass == 0;
+    if (!warm) {
+      if (wait_prev) pdl_sync();
+      MOE_TRACE_MARK(1);
+    }
+    __syncthreads();
+    // the last warp also normalises and stores this position's K and V: their loads go out with its query
+    // head's, so that the warp waits for one round trip, not three
+    float kv_k[HD / 32], kv_v[HD / 32];
+    if (kv_warp) {
+      norm_rope_load<HD>(row + q_dim + g * HD, kv_k);
+      norm_rope_load<HD>(row + q_dim + kv_dim + g * HD, kv_v);
+    }
+    for (int h = warp; h < G; h += kWarps)
+      norm_rope_warp<HD>(row + (g * G + h) * HD, q_norm, cs, sn, eps, rsqrtf(static_cast<float>(HD)), qs + h * HD);
+    if (kv_warp) {
+      norm_rope_vals<HD>(kv_k, k_norm, cs, sn, eps, 1.f, kn);
+      __syncwarp();
 #pragma unroll
-    for (int c = 0; c < HD / 32; ++c) {
-      const int i = lane + 32 * c;
-      const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(kv_v[c]);
-      kn[i] = __half2float(kh);
-      vn[i] = __half2float(vh);
-      if (sp == 0 && !warm) {
-        kc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = kh;
-        vc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = vh;
+      for (int c = 0; c < HD / 32; ++c) {
+        const int i = lane + 32 * c;
+        const __half kh = __float2half_rn(kn[i]), vh = __float2half_rn(kv_v[c]);
+        kn[i] = __half2float(kh);
+        vn[i] = __half2float(vh);
+        if (sp == 0 && !warm) {
+          kc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = kh;
+          vc[static_cast<int64_t>(pos) * kv_dim + g * HD + i] = vh;
+        }
       }
     }
-  }
-  __syncthreads();
-  MOE_TRACE_MARK(2);
-  // the warm pass covers the first group only: it issues no loads of a next one, so grp still holds the
-  // first group's rows for the real pass
-  attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, grp,
-                                   reinterpret_cast<__half*>(wacc), m, l, acc);
+    __syncthreads();
+    MOE_TRACE_MARK(2);
+    // the warm pass covers the first group only: it issues no loads of a next one, so grp still holds the
+    // first group's rows for the real pass
+    attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, grp,
+                                     reinterpret_cast<__half*>(wacc), m, l, acc);
   }
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;

@@ -508,8 +508,7 @@ bool tc_mat(const Mat& m) { return tc_type(m.type) && m.cols % 256 == 0 && m.row
 
 // Opt-in: measured slower than the per-kernel graph (docs/PERFORMANCE.md, version 5).
 bool persist_enabled() {
-  const char* v = std::getenv("MOE_CUDA_PERSIST");
-  return v && v[0] == '1' && tc_enabled();
+  return env_switch("MOE_CUDA_PERSIST", false) && tc_enabled();
 }
 
 namespace {

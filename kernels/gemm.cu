@@ -21,8 +21,7 @@ namespace {
 
 // MOE_CUDA_GEMM_I8=0 sends the K-quants (is_i8_type) to the fp32 path too (comparisons, bisecting).
 bool i8_enabled() {
-  const char* v = std::getenv("MOE_CUDA_GEMM_I8");
-  return !(v && v[0] == '0');
+  return env_switch("MOE_CUDA_GEMM_I8", true);
 }
 
 // Elements and bytes per quant block, for the fp32 path's L1 prefetch (prefetch_group).

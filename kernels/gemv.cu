@@ -528,10 +528,7 @@ size_t x_smem(int n) { return static_cast<size_t>(n + n / 16) * sizeof(float); }
 // (the choice had moved into the gate/up kernel, one step back, so PDL raced there). The "hang" of
 // an expert benchmark that kept it off was the benchmark's host-side setup (no kernel was running).
 bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOE_CUDA_PDL");
-    return !(v && v[0] == '0');
-  }();
+  static const bool on = env_switch("MOE_CUDA_PDL", true);
   return on;
 }
 
@@ -621,6 +618,8 @@ bool o_router_ok(const Mat& O, const Mat& R) {
   return tc_enabled() && tc_type(O.type) && R.type == layout::F32 && R.cols == O.rows && R.rows >= 1 &&
          R.rows <= 256 && R.row_stride % 16 == 0;
 }
+// An early-ids hint (EarlyIds) is absent or complete, with a layer its tag can hold.
+bool early_ids_ok(const EarlyIds* e) { return !e || !e->tag || (e->pos && e->layer >= 0 && e->layer < 1024); }
 }  // namespace
 
 bool router_in_o_proj_supported(const LayerWeights& L, int n_used) {
@@ -658,7 +657,7 @@ cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const
       !tc_enabled() || !tc_type(G.type) || !tc_type(U.type) || G.cols != U.cols || G.rows != U.rows)
     return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
-  if (early && early->tag && (!early->pos || early->layer < 0 || early->layer >= 1024)) return cudaErrorInvalidValue;
+  if (!early_ids_ok(early)) return cudaErrorInvalidValue;
   return tc_gate_up_acc(G, U, x, norm_w, eps, acc, n_used, ids, weights, act, s, early);
 }
 
@@ -680,7 +679,7 @@ bool expert_down_sends_ahead(const Mat& D) { return tc_enabled() && tc_type(D.ty
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
                             float* x, cudaStream_t s, const L2Ahead* ahead, const EarlyIds* early) {
   if (n_used > 64) return cudaErrorInvalidValue;
-  if (early && early->tag && (!early->pos || early->layer < 0 || early->layer >= 1024)) return cudaErrorInvalidValue;
+  if (!early_ids_ok(early)) return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   if (tc_enabled() && tc_type(D.type)) return tc_down(D, act, ids, weights, n_used, x, s, ahead, early);
   const int n_tiles = (D.rows + 1) / 2;

@@ -200,8 +200,8 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // warps' own loads keep enough bytes in flight). LM head 100-106 vs 112-113 us per token (trace).
 // kW: warps per block: 16 for the O projection with the routing (one super-block each of its 4,096
 // columns, staging and tail shorter: BM_Decode/0 496.2-499.7 vs 492.5-494.8 tok/s with 8 warps).
-template <int R, bool kRoute, bool kWarpTiles, int kW>
-__device__ __forceinline__ void tc_gemv_body(const GemvArgs& a) {
+template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
+__global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kW][16];
@@ -290,11 +290,6 @@ __device__ __forceinline__ void tc_gemv_body(const GemvArgs& a) {
       }
     }
   }
-}
-
-template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
-__global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
-  tc_gemv_body<R, kRoute, kWarpTiles, kW>(a);
 }
 
 // ---- the choice from o_proj_router's sums (the gate/up kernel) --------------------------------------
@@ -443,16 +438,20 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   const int64_t es = D.expert_stride;
   const int64_t og = min(r0 + g, D.rows - 1) * D.row_stride, o8 = min(r0 + g + 8, D.rows - 1) * D.row_stride;
   const int n_sb = D.cols / 256;
+  // this block's rows of expert id to L2
+  auto prefetch_rows = [&](int id) {
+    bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+  };
   // the gate/up kernel's ids, if its block 0 wrote them for this token and layer (EarlyIds): their rows
-  // to L2 before the wait
-  // (the tag, the position and the id in one round trip: a block that starts only as the gate/up grid ends
-  // must not wait for three; an id read before its tag can only be older, and a wrong hint costs a prefetch)
+  // to L2 before the wait. The tag, the position and the id in one round trip (a block that starts only
+  // as the gate/up grid ends must not wait for three); an id read before its tag can only be older, and
+  // a wrong hint costs a prefetch.
   int early_id = -1;
   if (early.tag && static_cast<int>(threadIdx.x) < n_used) {
     const int tag = __ldcg(early.tag), p = __ldcg(early.pos), id = __ldcg(ids + threadIdx.x);
     if (tag == early_ids_tag(p, early.layer) && id >= 0) {
       early_id = id;
-      bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+      prefetch_rows(id);
     }
   }
   pdl_sync();
@@ -466,8 +465,7 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
     const int id = ids[threadIdx.x];
     sid[threadIdx.x] = id;
     sw[threadIdx.x] = weights[threadIdx.x];
-    if (id != early_id)
-      bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+    if (id != early_id) prefetch_rows(id);
   }
   MOE_TRACE_MARK(2);
   stage_finish<2>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
@@ -521,8 +519,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
 bool tc_type(uint32_t t) { return t == layout::Q4_K || t == layout::Q5_K || t == layout::Q6_K; }
 
 bool tc_enabled() {
-  const char* v = std::getenv("MOE_CUDA_TC");
-  return !(v && v[0] == '0');
+  return env_switch("MOE_CUDA_TC", true);  // read each time: tests switch it
 }
 
 cudaError_t tc_init() {

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace moe::cuda::k {
 
@@ -29,6 +30,13 @@ struct Rope {
 };
 
 int sm_count();  // of the current device (cached)
+
+// A switch from the environment (experiments, A/B runs): default_on reads "on unless NAME=0", otherwise
+// "off unless NAME=1".
+inline bool env_switch(const char* name, bool default_on) {
+  const char* v = std::getenv(name);
+  return default_on ? !(v && v[0] == '0') : (v && v[0] == '1');
+}
 
 // Sets the shared-memory limits of the kernels that may need more than 48 KiB.
 cudaError_t init_kernels();
@@ -76,7 +84,7 @@ struct RouterAcc {
 // writes each slice's unnormalised output with its softmax max and sum to `partials` and stops there; the
 // O projection's blocks merge them while they stage their input, in the attention's own order of
 // operations (the same floats as its merge). One slice, or more than defer, and the attention merges
-// as before (its last block, after a counter). Slices: attention_slices below; partials hold
+// as before (its last block, after a counter). Slices: dev::dec_slices (common.cuh); partials hold
 // attention_partial_stride(head_dim) floats per (KV head, slice, query head of the group).
 constexpr int kAttMaxDefer = 8;
 struct AttSlices {
@@ -106,9 +114,6 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
 // att (when given and att->defer > 0): o is the attention's output unless it left slices to merge (above).
 cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
                           const RouterAcc& acc, cudaStream_t s, const AttSlices* att = nullptr);
-// expert_gate_up with the logits from o_proj_router's acc: h = rmsnorm(x) * norm_w staged in every
-// block with 1/rms = (acc[n] 2^-32 ref² / n_x + eps)^-1/2, logits = acc[c] 2^-32 ref / rms; the choice and
-// weights as expert_gate_up's.
 // The chosen experts' ids as an early hint for the down kernel: the gate/up kernel's block 0 writes the
 // ids, then *tag = early_ids_tag(pos[0], layer) (release); each down block reads the tag before its wait
 // for the gate/up grid and, when it matches, sends its rows of those experts to L2 right away (the
@@ -121,6 +126,9 @@ struct EarlyIds {
   int layer = 0;
 };
 constexpr int early_ids_tag(int pos, int layer) { return (pos + 1) * 1024 + layer; }
+// expert_gate_up with the logits from o_proj_router's acc: h = rmsnorm(x) * norm_w staged in every
+// block with 1/rms = (acc[n] 2^-32 ref² / n_x + eps)^-1/2, logits = acc[c] 2^-32 ref / rms; the choice and
+// weights as expert_gate_up's.
 cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                                const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
                                cudaStream_t s, const EarlyIds* early = nullptr);

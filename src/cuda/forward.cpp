@@ -271,10 +271,7 @@ class CudaForward final : public Forward {
   // +2.6 % pp512, but once a second stream had run work the decode graph on stream_ ran ~2.5 % slower
   // (CLI 361.6-362.4 vs 369.2-373.3 tok/s without any second stream, alternating in one call).
   static bool prefill_overlap() {
-    static const bool on = [] {
-      const char* v = std::getenv("MOE_CUDA_PREFILL_OVERLAP");
-      return v && v[0] == '1';
-    }();
+    static const bool on = k::env_switch("MOE_CUDA_PREFILL_OVERLAP", false);
     return on;
   }
 
@@ -298,8 +295,7 @@ class CudaForward final : public Forward {
   // The decode's routing inside the O projection and the gate/up kernel (k::o_proj_router) when every
   // layer allows it; MOE_CUDA_FUSED_ROUTER=0 keeps the router kernel (read when the graphs are captured).
   bool fused_router() const {
-    const char* v = std::getenv("MOE_CUDA_FUSED_ROUTER");
-    if ((v && v[0] == '0') || racc_.n != static_cast<int>(c_.n_expert)) return false;
+    if (!k::env_switch("MOE_CUDA_FUSED_ROUTER", true) || racc_.n != static_cast<int>(c_.n_expert)) return false;
     for (const DevLayer& L : layers_)
       if (!k::router_in_o_proj_supported(L, static_cast<int>(c_.n_expert_used))) return false;
     return true;
@@ -486,8 +482,7 @@ class CudaForward final : public Forward {
     racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
     for (cudaEvent_t& e : step_done_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "upload failed");
-    const char* chain = std::getenv("MOE_CUDA_CHAIN");
-    chain_ = !(chain && chain[0] == '0');
+    chain_ = k::env_switch("MOE_CUDA_CHAIN", true);
     check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");
   }
 
@@ -642,8 +637,8 @@ class CudaForward final : public Forward {
   // projection and the head size allows it; MOE_CUDA_ATT_DEFER=0 keeps the attention's own merge.
   k::AttSlices att_slices() const {
     k::AttSlices a;
-    const char* v = std::getenv("MOE_CUDA_ATT_DEFER");
-    if (!fused_router_ || (v && v[0] == '0') || c_.head_dim % 128 != 0 || c_.q_dim() > 4096) return a;
+    if (!fused_router_ || !k::env_switch("MOE_CUDA_ATT_DEFER", true) || c_.head_dim % 128 != 0 || c_.q_dim() > 4096)
+      return a;
     a.partials = partials_;
     a.pos = pos_;
     a.n_head_kv = static_cast<int>(c_.n_head_kv);
@@ -660,8 +655,7 @@ class CudaForward final : public Forward {
   void capture() {
     fused_router_ = fused_router();
     att_ = att_slices();
-    const char* ei = std::getenv("MOE_CUDA_EARLY_IDS");
-    early_ids_ = !(ei && ei[0] == '0');
+    early_ids_ = k::env_switch("MOE_CUDA_EARLY_IDS", true);
     setup_persist();
     if (use_persist_) {
       try {
