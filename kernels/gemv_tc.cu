@@ -150,7 +150,10 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
     for (int s = 0; s < NM; ++s) {
       if (s >= n) break;
       const float ws = __shfl_sync(0xffffffffu, w, s);
-      add(a[s < full ? (s & 3) : 0], pv[k][s], ws);
+      if (s < full)  // static indices: a runtime index into a[] costs selects (or local memory)
+        add(a[s & 3], pv[k][s], ws);
+      else
+        add(a[0], pv[k][s], ws);
     }
     l.x[k] = make_float4(((a[0].x + a[1].x) + (a[2].x + a[3].x)) * inv, ((a[0].y + a[1].y) + (a[2].y + a[3].y)) * inv,
                          ((a[0].z + a[1].z) + (a[2].z + a[3].z)) * inv, ((a[0].w + a[1].w) + (a[2].w + a[3].w)) * inv);
@@ -232,13 +235,18 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
   // the decode position (for the attention's deferred slices) does not come from the previous kernel
-  const int slices = kRoute && a.att.defer > 1 ? deferred_slices(a.att, __ldcg(a.att.pos)) : 0;
+  // (deferred slices only up to 4,096 columns, R = 2: o_proj_router; the merge's code stays out of R = 4)
+  const int slices = kRoute && R == 2 && a.att.defer > 1 ? deferred_slices(a.att, __ldcg(a.att.pos)) : 0;
   pdl_sync();
   XLoad<R> xl;
-  if (slices)
-    stage_load_slices<R>(a.att, slices, a.cols, xl);
-  else
+  if constexpr (R == 2) {
+    if (slices)
+      stage_load_slices<R>(a.att, slices, a.cols, xl);
+    else
+      stage_load<R>(a.x, a.cols, a.norm_w, xl);
+  } else {
     stage_load<R>(a.x, a.cols, a.norm_w, xl);
+  }
   const float ref = kRoute ? __ldcg(a.racc.ref) : 0.f;  // the unit of the router's sums (used after the MMAs)
   MOE_TRACE_MARK(1);
   prefetch(blockIdx.x + gridDim.x);
