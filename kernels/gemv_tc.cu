@@ -13,8 +13,8 @@
 //
 // Layout of the work: a block owns 16 consecutive output rows (the MMA's M); its warps split the
 // super-blocks of the (possibly segmented) input. Lane (g = lane / 4, t = lane % 4) loads rows g and
-// g + 8; for each 32-element group the MMA's k positions 4t..4t+3 and 16+4t..16+4t+3 are the bytes of
-// the lane's two 32-bit words of packed quants, in their natural order.
+// g + 8; for each 32-element group the MMA's k positions 4t..4t+3 and 16+4t..16+4t+3 hold the lane's
+// eight consecutive quant bytes 8t..8t+7 (one 8-byte load), and x is staged in the same order (tc.cuh).
 #include <algorithm>
 #include <cstdlib>
 

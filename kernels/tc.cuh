@@ -19,7 +19,8 @@ constexpr float kXMax = 8323072.f;  // 127 * 65536: the top digit stays within [
 
 // Shared-memory staging of x for n elements (n a multiple of 256).
 struct XQ {
-  uint2* q;      // [n/32][digit 0..2][t 0..3]: B registers (k = 4t.., k = 16 + 4t..) of 32-element group
+  uint2* q;      // [n/32][digit 0..2][t 0..3]: B registers (k = 4t.., k = 16 + 4t..) of 32-element group:
+                 // elements 8t..8t+3 and 8t+4..8t+7 (load_sb: a lane's quant bytes of a group are consecutive)
   int* sum16;    // [n/16]: sums of X over 16 consecutive elements (the K-quant minimums, Q6_K's -32)
   float* scale;  // [n/256]: s of each group of 256
 };
@@ -55,7 +56,7 @@ __device__ __forceinline__ void emit_xq(int i, float4 v, float inv, const XQ& xq
     db[e] = low_digit(r);
     da[e] = (r - db[e]) >> 8;
   }
-  const int j = i >> 3, p = i & 7, t = p & 3, half = p >> 2;  // elements 32j + 16 half + 4t..
+  const int j = i >> 3, p = i & 7, t = p >> 1, half = p & 1;  // elements 32j + 8t + 4 half..
   uint32_t* q32 = reinterpret_cast<uint32_t*>(xq.q);
   q32[((j * 3 + 0) * 4 + t) * 2 + half] = pack_s8(da[0], da[1], da[2], da[3]);
   q32[((j * 3 + 1) * 4 + t) * 2 + half] = pack_s8(db[0], db[1], db[2], db[3]);
@@ -160,6 +161,11 @@ __device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
   return r;
 }
+__device__ __forceinline__ uint2 ldg64(const uint8_t* p) {
+  uint2 r;
+  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
 __device__ __forceinline__ uint4 ldg128(const uint8_t* p) {
   uint4 r;
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
@@ -172,6 +178,13 @@ __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
   return r;
 }
+__device__ __forceinline__ uint2 lds64(const uint8_t* p) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+               : "=r"(r.x), "=r"(r.y)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return r;
+}
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -182,6 +195,10 @@ __device__ __forceinline__ uint4 lds128(const uint8_t* p) {
 template <bool kSm>
 __device__ __forceinline__ uint32_t ld32(const uint8_t* p) {
   if constexpr (kSm) return lds32(p); else return ldg32(p);
+}
+template <bool kSm>
+__device__ __forceinline__ uint2 ld64(const uint8_t* p) {
+  if constexpr (kSm) return lds64(p); else return ldg64(p);
 }
 template <bool kSm>
 __device__ __forceinline__ uint4 ld128(const uint8_t* p) {
@@ -206,23 +223,30 @@ __device__ __forceinline__ void load_sb(const uint8_t* rg, const uint8_t* r8, in
     if constexpr (T == Q4_K || T == Q5_K) {
       constexpr int qs = T == Q4_K ? 16 : 48;
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) r.q[i][c][h] = ld32<kSm>(b + qs + 32 * c + 16 * h + 4 * t);
+      for (int c = 0; c < 4; ++c) {
+        const uint2 w = ld64<kSm>(b + qs + 32 * c + 8 * t);
+        r.q[i][c][0] = w.x;
+        r.q[i][c][1] = w.y;
+      }
       r.hdr[i] = ld128<kSm>(b);
       if constexpr (T == Q5_K) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) r.h[i][0][h] = ld32<kSm>(b + 16 + 16 * h + 4 * t);
+        const uint2 w = ld64<kSm>(b + 16 + 8 * t);
+        r.h[i][0][0] = w.x;
+        r.h[i][0][1] = w.y;
       }
     } else {  // Q6_K: chunk ch = 2n + kk
 #pragma unroll
-      for (int ch = 0; ch < 4; ++ch)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = ch >> 1, kk = ch & 1;
-          r.q[i][ch][h] = ld32<kSm>(b + 64 * n + 32 * kk + 16 * h + 4 * t);
-          r.h[i][ch][h] = ld32<kSm>(b + 128 + 32 * n + 16 * h + 4 * t);
+      for (int ch = 0; ch < 4; ++ch) {
+        const int n = ch >> 1, kk = ch & 1;
+        const uint2 q = ld64<kSm>(b + 64 * n + 32 * kk + 8 * t);
+        r.q[i][ch][0] = q.x;
+        r.q[i][ch][1] = q.y;
+        if (kk == 0) {  // one qh run per 128 elements, shared by chunks 2n and 2n + 1
+          const uint2 h = ld64<kSm>(b + 128 + 32 * n + 8 * t);
+          r.h[i][ch][0] = r.h[i][ch + 1][0] = h.x;
+          r.h[i][ch][1] = r.h[i][ch + 1][1] = h.y;
         }
+      }
       r.hdr[i] = ld128<kSm>(b + 192);
       r.d[i] = ld32<kSm>(b + 208);
     }
@@ -331,8 +355,9 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
         };
         const uint32_t a[4] = {code(r.q[0][ch][0], r.h[0][ch][0]), code(r.q[1][ch][0], r.h[1][ch][0]),
                                code(r.q[0][ch][1], r.h[0][ch][1]), code(r.q[1][ch][1], r.h[1][ch][1])};
+        // the first 16 elements are in lanes t = 0, 1 (8t..8t+7), the last 16 in t = 2, 3
         const uint2 e = g < 6 ? xq.q[(s * 3 + (g < 3 ? g : g - 3)) * 4 + t] : make_uint2(0u, 0u);
-        const uint2 b = make_uint2(g < 3 ? e.x : 0u, g < 3 ? 0u : e.y);
+        const uint2 b = (g < 3) == (t < 2) ? e : make_uint2(0u, 0u);
         int d[4];
         mma_u8s8(d, a, b);
         // scale of 16 elements 8n + 2kp + half: word 2n + hi, byte 2kk + half
