@@ -189,6 +189,96 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
   if (route) add_router_partial(a, rc, s_y, nv, ref);
 }
 
+// The warp-tile kernel's (kWarpTiles: the LM head) stream of super-blocks through shared memory: each warp
+// walks its tiles' super-blocks (16 rows each) with kLmStages of them in flight by cp.async into its own
+// ring (no registers held while they travel: with loads into registers a warp had one super-block in
+// flight, ~56 KB per SM, too little for the DRAM's latency), the first ones issued before the kernel's
+// wait (weights do not depend on the previous kernel). All matrices of one type T (the host checks).
+constexpr int kLmStages = 3;
+__host__ __device__ inline size_t lm_ring_offset(int cols) { return (xq_smem(cols) + 15) / 16 * 16; }
+__host__ __device__ constexpr size_t lm_ring_bytes(int warps) {
+  return static_cast<size_t>(warps) * kLmStages * 16 * 224;  // 224: the largest super-block (Q6_K)
+}
+template <uint32_t T, int kW>
+struct LmPipe {
+  static constexpr int BB = sb_bytes<T>();  // bytes of a row's super-block (a multiple of 16)
+  const GemvArgs& a;
+  uint8_t* ring;  // this warp's kLmStages x 16 rows x BB bytes
+  int nsb, total, stride;
+  int it_tile, it_sb, slot;  // the next super-block to issue and its ring slot
+  __device__ LmPipe(const GemvArgs& args, uint8_t* smem_base, int tiles)
+      : a(args), nsb(args.cols / 256), total(tiles), stride(gridDim.x * kW), slot(0) {
+    const int warp = threadIdx.x >> 5;
+    ring = smem_base + lm_ring_offset(args.cols) + static_cast<size_t>(warp) * kLmStages * 16 * BB;
+    it_tile = blockIdx.x * kW + warp;
+    it_sb = 0;
+  }
+  __device__ int row0(int tile, int& m) const {
+    m = 0;
+    while (tile >= a.tiles_before[m + 1]) ++m;
+    return (tile - a.tiles_before[m]) * 16;
+  }
+  // issues the next super-block's copies (an empty group past the warp's last tile: the counts stay uniform)
+  __device__ void issue() {
+    if (it_tile < total) {
+      int m;
+      const int r0 = row0(it_tile, m);
+      const Mat& W = a.outs[m].W;
+      uint8_t* dst = ring + slot * 16 * BB;
+      for (int c = threadIdx.x & 31; c < BB; c += 32) {  // BB 16-byte pieces: 16 rows of BB / 16
+        const int rr = c / (BB / 16), cc = c - rr * (BB / 16);
+        cp_async16(dst + rr * BB + cc * 16, W.data + min(r0 + rr, W.rows - 1) * W.row_stride + it_sb * BB + cc * 16);
+      }
+    }
+    cp_async_commit();
+    advance();
+  }
+  __device__ void advance() {
+    if (it_tile < total && ++it_sb == nsb) {
+      it_sb = 0;
+      it_tile += stride;
+    }
+    slot = slot + 1 == kLmStages ? 0 : slot + 1;
+  }
+  // before the kernel's wait: the first kLmStages - 1 super-blocks
+  __device__ void prologue() {
+    for (int i = 0; i < kLmStages - 1; ++i) issue();
+  }
+  // after the staging of x: the rest (a fresh LmPipe: the prologue's super-blocks are skipped, not issued)
+  __device__ void run(const XQ& xq, float* part16) {
+    for (int i = 0; i < kLmStages - 1; ++i) advance();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int tile = blockIdx.x * kW + (threadIdx.x >> 5), sb = 0, cur = 0;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (; tile < total;) {
+      cp_async_wait<kLmStages - 2>();  // this lane's copies of super-block `cur` have landed
+      __syncwarp();                    // and every lane's; the slot issued next was read one step ago
+      issue();
+      const uint8_t* st = ring + cur * 16 * BB;
+      SbRaw r;
+      load_sb<T, true>(st + g * BB, st + (g + 8) * BB, t, r);
+      mma_sb<T>(r, sb, 1.f, xq, g, t, acc);
+      cur = cur + 1 == kLmStages ? 0 : cur + 1;
+      if (++sb == nsb) {
+        int m;
+        const int r0 = row0(tile, m);
+        warp_rows_to_smem(acc, part16);
+        __syncwarp();
+        if (lane < 16 && r0 + lane < a.outs[m].W.rows) {
+          float* yr = a.outs[m].y + r0 + lane;
+          *yr = a.accumulate ? *yr + part16[lane] : part16[lane];
+        }
+        __syncwarp();  // part16 is reused by the next tile
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+        sb = 0;
+        tile += stride;
+      }
+    }
+    cp_async_wait<0>();
+  }
+};
+
 // Every kernel here first has the SM's TMA pull its weight rows into L2 (bulk_prefetch_l2: the loads of
 // x behind them are not delayed), stages x, and then loads the weights, by then on their way to L2.
 
@@ -234,6 +324,16 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   // programmatic dependent launch they go to L2 while it runs
   prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
+  // the warp-tile kernel's first super-blocks go to shared memory now (LmPipe)
+  const uint32_t lm_type = kWarpTiles && a.lm_pipe ? a.outs[0].W.type : 0u;
+  if constexpr (kWarpTiles) {
+    switch (lm_type) {
+      case layout::Q4_K: LmPipe<layout::Q4_K, kW>(a, smem, total).prologue(); break;
+      case layout::Q5_K: LmPipe<layout::Q5_K, kW>(a, smem, total).prologue(); break;
+      case layout::Q6_K: LmPipe<layout::Q6_K, kW>(a, smem, total).prologue(); break;
+      default: break;
+    }
+  }
   // the decode position (for the attention's deferred slices) does not come from the previous kernel
   // (deferred slices only up to 4,096 columns, R = 2: o_proj_router; the merge's code stays out of R = 4)
   const int slices = kRoute && R == 2 && a.att.defer > 1 ? deferred_slices(a.att, __ldcg(a.att.pos)) : 0;
@@ -259,7 +359,13 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   MOE_TRACE_MARK(3);
   if constexpr (kWarpTiles) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, stride = gridDim.x * kW;
-    for (int tile = blockIdx.x * kW + warp; tile < total; tile += stride) {
+    switch (lm_type) {
+      case layout::Q4_K: LmPipe<layout::Q4_K, kW>(a, smem, total).run(xq, part[warp]); break;
+      case layout::Q5_K: LmPipe<layout::Q5_K, kW>(a, smem, total).run(xq, part[warp]); break;
+      case layout::Q6_K: LmPipe<layout::Q6_K, kW>(a, smem, total).run(xq, part[warp]); break;
+      default: break;
+    }
+    for (int tile = blockIdx.x * kW + warp; tile < (lm_type ? 0 : total); tile += stride) {
       int m;
       const int r0 = find(tile, m);
       const Mat& W = a.outs[m].W;
@@ -556,9 +662,16 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   const size_t smem = xq_smem(a.cols);
   const bool two = a.cols <= 2 * 4 * NW * 32;
   const dim3 block(NW * 32);
-  if (!a.router && tiles > static_cast<int>(grid.x))
+  if (!a.router && tiles > static_cast<int>(grid.x)) {
+    // the super-blocks through shared memory (LmPipe) when all matrices have one type; MOE_CUDA_LM_PIPE=0 off
+    GemvArgs b = a;
+    b.lm_pipe = env_switch("MOE_CUDA_LM_PIPE", true) ? 1 : 0;
+    for (int i = 1; i < a.n_outs; ++i)
+      if (a.outs[i].W.type != a.outs[0].W.type) b.lm_pipe = 0;
+    const size_t sm = b.lm_pipe ? lm_ring_offset(a.cols) + lm_ring_bytes(NW) : smem;
     return launch_pdl(two ? tc_gemv_kernel<2, false, true> : tc_gemv_kernel<4, false, true>, dim3(2 * sm_count()),
-                      block, smem, s, a);
+                      block, sm, s, b);
+  }
   if (a.router && !two && a.cols <= 4096)  // 16 warps, one super-block each (see tc_gemv_kernel's kW)
     return launch_pdl(tc_gemv_kernel<2, true, false, 16>, grid, dim3(16 * 32), smem, s, a);
   if (a.router) return launch_pdl(two ? tc_gemv_kernel<2, true> : tc_gemv_kernel<4, true>, grid, block, smem, s, a);

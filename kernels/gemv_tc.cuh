@@ -29,6 +29,7 @@ struct GemvArgs {
   const float* router_norm = nullptr;
   int skip_prefetch = 0;          // the weights were sent to L2 by an earlier kernel (gemv's weights_in_l2)
   AttSlices att;                  // O: the attention's slices to merge while staging x (launch.cuh)
+  int lm_pipe = 0;                // the warp-tile kernel (LM head): super-blocks through shared memory (tc_gemv)
 };
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                    int rows_per_tile, const L2Hint* hint);

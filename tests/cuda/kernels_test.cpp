@@ -42,15 +42,20 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
 }
 
 // Matrices of more tiles than a wave of blocks (the LM head) run one tile per warp (kWarpTiles): every
-// K-quant, an uneven last tile, accumulate into y, and the weights said to be in L2 already.
+// K-quant, an uneven last tile, accumulate into y, and the weights said to be in L2 already; tiles of 2
+// and 5 super-blocks, through shared memory (LmPipe: fewer and more super-blocks per tile than its
+// stages) and with MOE_CUDA_LM_PIPE=0 from global memory.
 TEST(CudaKernels, GemvManyTilesOnePerWarpMatchDequantizedDot) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  const int64_t cols = 512, rows = 6 * 16 * static_cast<int64_t>(k::sm_count()) + 37;
+  const int64_t rows = 6 * 16 * static_cast<int64_t>(k::sm_count()) + 37;
+  for (const char* pipe : {"1", "0"})
+  for (int64_t cols : {512, 1280})
   for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K}) {
-    SCOPED_TRACE(moe::gguf::type_name(t));
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " cols " << cols << " MOE_CUDA_LM_PIPE=" << pipe);
+    setenv("MOE_CUDA_LM_PIPE", pipe, 1);
     QMatrix W(t, rows, cols, rng);
     std::vector<float> x = randn(cols, rng), y0 = randn(rows, rng);
     Dev<float> dx(x), dy(y0);
@@ -62,6 +67,7 @@ TEST(CudaKernels, GemvManyTilesOnePerWarpMatchDequantizedDot) {
       expect_close(y[r], y0[r] + dot(&W.deq[r * cols], x.data(), cols),
                    std::fabs(y0[r]) + abs_dot(&W.deq[r * cols], x.data(), cols), "gemv", r);
   }
+  unsetenv("MOE_CUDA_LM_PIPE");
 }
 
 TEST(CudaKernels, GemvFusedNormThreeMatricesAndAccumulate) {
