@@ -289,8 +289,9 @@ struct LmPipe {
 // SM (its tiles, n_embd / 16, fit one wave) so that the router's columns have registers.
 // kWarpTiles: matrices of many more tiles than a wave of blocks (the LM head): each warp owns whole
 // tiles (tile16 over all of a tile's super-blocks) and writes its 16 rows itself, so no block barrier
-// waits for a block's slowest warp between tiles; one wave of two blocks per SM, no L2 prefetch (the
-// warps' own loads keep enough bytes in flight). LM head 100-106 vs 112-113 us per token (trace).
+// waits for a block's slowest warp between tiles; one wave of two blocks per SM, no L2 prefetch: each
+// warp streams its super-blocks through shared memory, three in flight (LmPipe; MOE_CUDA_LM_PIPE=0: one
+// in registers). LM head 100-106 vs 112-113 us per token (trace), then ~76 with LmPipe.
 // kW: warps per block: 16 for the O projection with the routing (one super-block each of its 4,096
 // columns, staging and tail shorter: BM_Decode/0 496.2-499.7 vs 492.5-494.8 tok/s with 8 warps).
 template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
