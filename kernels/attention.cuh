@@ -336,12 +336,15 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
     if (n_eff == 1) {
 #pragma unroll
       for (int d = 0; d < D; ++d) out[h * HD + lane * D + d] = acc[hi][d] / l[hi];
-    } else {
+    } else {  // the normalised output in fp16, then m and L (launch.cuh: AttSlices)
+      __half* ph = reinterpret_cast<__half*>(part + h * PS) + lane * D;
+      const float il = 1.f / l[hi];
 #pragma unroll
-      for (int d = 0; d < D; ++d) part[h * PS + lane * D + d] = acc[hi][d];
+      for (int d = 0; d < D; d += 2)
+        *reinterpret_cast<__half2*>(ph + d) = __floats2half2_rn(acc[hi][d] * il, acc[hi][d + 1] * il);
       if (lane == 0) {
-        part[h * PS + HD] = m[hi];
-        part[h * PS + HD + 1] = l[hi];
+        part[h * PS + HD / 2] = m[hi];
+        part[h * PS + HD / 2 + 1] = l[hi];
       }
     }
   }
@@ -357,15 +360,16 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   if (!last) return;
   if (threadIdx.x == 0) counters[g] = 0;
   __threadfence();
-  // merge: out = Σ_s A_s exp(m_s - M) / Σ_s L_s exp(m_s - M). The slices' m and L go to shared memory
-  // in one parallel pass, and each output's n_eff loads are unrolled: at long contexts (64 slices of
-  // 8 heads) one block reads ~270 KB here, which serial load chains made the slowest step.
-  float* fw = wacc;                  // reuse: [n_eff][G] m_s, then exp(m_s - M)
+  // merge: out = Σ_s O_s L_s exp(m_s - M) / Σ_s L_s exp(m_s - M) (O_s the slice's normalised output).
+  // The slices' m and L go to shared memory in one parallel pass, and each output's n_eff loads are
+  // unrolled: at long contexts (64 slices of 8 heads) one block reads ~135 KB here, which serial load
+  // chains made the slowest step. The O projection's merge (stage_load_slices) repeats these operations.
+  float* fw = wacc;                  // reuse: [n_eff][G] m_s, then exp(m_s - M), then that times L_s
   float* fl = fw + kMaxSplit * G;    // [n_eff][G] L_s
   float* fM = wm;                    // [G] M
   for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
-    fw[i] = __ldcg(part_base + i * PS + HD);
-    fl[i] = __ldcg(part_base + i * PS + HD + 1);
+    fw[i] = __ldcg(part_base + i * PS + HD / 2);
+    fl[i] = __ldcg(part_base + i * PS + HD / 2 + 1);
   }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < G) {
@@ -384,19 +388,23 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
     wl[h] = 1.f / Ls;
   }
   __syncthreads();
+  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i] = fw[i] * fl[i];
+  __syncthreads();
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int h = i / HD, d = i % HD;
-    const float* p = part_base + h * PS + d;  // slice s at p + s * G * PS
+    // slice s's value at element s * G * PS * 2 of ph (PS floats per row)
+    const __half* ph = reinterpret_cast<const __half*>(part_base + h * PS) + d;
+    auto at = [&](int s) { return __half2float(__ldcg(ph + static_cast<int64_t>(s) * G * PS * 2)); };
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains; with the unroll, 16 slices' loads in flight
     int s = 0;
 #pragma unroll 4
     for (; s + 4 <= n_eff; s += 4) {
-      a0 = fmaf(__ldcg(p + (s + 0) * G * PS), fw[(s + 0) * G + h], a0);
-      a1 = fmaf(__ldcg(p + (s + 1) * G * PS), fw[(s + 1) * G + h], a1);
-      a2 = fmaf(__ldcg(p + (s + 2) * G * PS), fw[(s + 2) * G + h], a2);
-      a3 = fmaf(__ldcg(p + (s + 3) * G * PS), fw[(s + 3) * G + h], a3);
+      a0 = fmaf(at(s + 0), fw[(s + 0) * G + h], a0);
+      a1 = fmaf(at(s + 1), fw[(s + 1) * G + h], a1);
+      a2 = fmaf(at(s + 2), fw[(s + 2) * G + h], a2);
+      a3 = fmaf(at(s + 3), fw[(s + 3) * G + h], a3);
     }
-    for (; s < n_eff; ++s) a0 = fmaf(__ldcg(p + s * G * PS), fw[s * G + h], a0);
+    for (; s < n_eff; ++s) a0 = fmaf(at(s), fw[s * G + h], a0);
     out[i] = ((a0 + a1) + (a2 + a3)) * wl[h];
   }
   __syncthreads();

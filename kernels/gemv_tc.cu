@@ -99,9 +99,10 @@ __device__ __forceinline__ int deferred_slices(const AttSlices& at, int pos) {
   return n >= 2 && n <= at.defer ? n : 0;
 }
 // stage_load's registers of x from the n slices: each float4 of x (a run of 32 lanes lies in one head:
-// head_dim a multiple of 128, checked on the host) is Σ_s A_s exp(m_s - M) / Σ_s L_s exp(m_s - M), with
-// the same operations in the same order as the attention's merge (attention_decode_item), so the same
-// floats. Lane s < n loads slice s's m and L; every slice's A goes out at once (one round trip).
+// head_dim a multiple of 128, checked on the host) is Σ_s O_s L_s exp(m_s - M) / Σ_s L_s exp(m_s - M)
+// (O_s: the slice's normalised output, fp16), with the same operations in the same order as the
+// attention's merge (attention_decode_item), so the same floats. Lane s < n loads slice s's m and L;
+// every slice's four fp16 values go out at once (one round trip).
 template <int R>
 __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, int cols, XLoad<R>& l) {
   constexpr int NM = kAttMaxDefer;
@@ -109,7 +110,7 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
   const int HD = at.head_dim, G = at.group, PS = attention_partial_stride(HD);
   const int64_t ss = static_cast<int64_t>(G) * PS;  // slice stride
   float mv[R], lv[R];
-  float4 pv[R][NM];
+  uint2 pv[R][NM];  // four fp16 values
 #pragma unroll
   for (int k = 0; k < R; ++k) {
     const int g = warp + (k >> 1) * nw, e = 4 * (g * 64 + (k & 1) * 32 + lane);
@@ -119,12 +120,12 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
       const int h = e / HD, d = e - h * HD, kv = h / G, hl = h - kv * G;
       const float* p = at.partials + (static_cast<int64_t>(kv) * at.n_split * G + hl) * PS;
       if (lane < n) {
-        mv[k] = __ldcg(p + lane * ss + HD);
-        lv[k] = __ldcg(p + lane * ss + HD + 1);
+        mv[k] = __ldcg(p + lane * ss + HD / 2);
+        lv[k] = __ldcg(p + lane * ss + HD / 2 + 1);
       }
 #pragma unroll
       for (int s = 0; s < NM; ++s)
-        if (s < n) pv[k][s] = __ldcg(reinterpret_cast<const float4*>(p + s * ss + d));
+        if (s < n) pv[k][s] = __ldcg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(p + s * ss) + d));
     }
   }
 #pragma unroll
@@ -135,21 +136,24 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
     float Ls = 0.f;
     for (int s = 0; s < n; ++s) Ls = fmaf(__shfl_sync(0xffffffffu, lv[k], s), __shfl_sync(0xffffffffu, w, s), Ls);
     const float inv = 1.f / Ls;
+    const float cw = w * lv[k];  // slice `lane`'s weight exp(m - M) L
     float4 a[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) a[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    auto add = [](float4& t, const float4& v, float ws) {
-      t.x = fmaf(v.x, ws, t.x);
-      t.y = fmaf(v.y, ws, t.y);
-      t.z = fmaf(v.z, ws, t.z);
-      t.w = fmaf(v.w, ws, t.w);
+    auto add = [](float4& t, const uint2& h, float ws) {
+      const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&h.x));
+      const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+      t.x = fmaf(lo.x, ws, t.x);
+      t.y = fmaf(lo.y, ws, t.y);
+      t.z = fmaf(hi.x, ws, t.z);
+      t.w = fmaf(hi.y, ws, t.w);
     };
     // the attention's four chains: slices 4i + c to chain c, the slices past the last full four to chain 0
     const int full = n & ~3;
 #pragma unroll
     for (int s = 0; s < NM; ++s) {
       if (s >= n) break;
-      const float ws = __shfl_sync(0xffffffffu, w, s);
+      const float ws = __shfl_sync(0xffffffffu, cw, s);
       if (s < full)  // static indices: a runtime index into a[] costs selects (or local memory)
         add(a[s & 3], pv[k][s], ws);
       else

@@ -81,18 +81,22 @@ struct RouterAcc {
 };
 // The decode attention's slices left to the O projection (attention_decode's `defer`, o_proj_router's
 // `att`): when the position's context is cut into 2 .. defer slices (at most kAttMaxDefer), the attention
-// writes each slice's unnormalised output with its softmax max and sum to `partials` and stops there; the
-// O projection's blocks merge them while they stage their input, in the attention's own order of
+// writes each slice's output with its softmax max and sum to `partials` and stops there; the O
+// projection's blocks merge them while they stage their input, in the attention's own order of
 // operations (the same floats as its merge). One slice, or more than defer, and the attention merges
 // as before (its last block, after a counter). Slices: dev::dec_slices (common.cuh); partials hold
-// attention_partial_stride(head_dim) floats per (KV head, slice, query head of the group).
+// attention_partial_stride(head_dim) floats per (KV head, slice, query head of the group): the slice's
+// normalised output (Σ p v / Σ p, a weighted mean of fp16 cache rows, so in fp16's range) as head_dim
+// fp16 values, then its max m and sum L as floats (16-byte rows). Half the bytes of fp32 partials for the
+// O projection's 128 blocks that each read every slice; the rounding (2^-12 of the value) is that of the
+// cache rows themselves.
 constexpr int kAttMaxDefer = 8;
 struct AttSlices {
   const float* partials = nullptr;  // null: the O projection reads the merged output
   const int32_t* pos = nullptr;     // the decode position (the context is pos[0] + 1 long)
   int n_head_kv = 0, group = 0, head_dim = 0, n_split = 1, min_chunk = 32, defer = 0;
 };
-constexpr int attention_partial_stride(int head_dim) { return head_dim + 4; }  // 16-byte rows
+constexpr int attention_partial_stride(int head_dim) { return head_dim / 2 + 4; }  // 16-byte rows (head_dim % 8 == 0)
 // The decode attention's minimum slice length (32 positions; MOE_CUDA_ATT_CHUNK=n for experiments).
 int attention_min_chunk();
 

@@ -887,9 +887,14 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
                                partials.p, counters.p, out.p, table ? cs.p : nullptr, nullptr));
         ok(cudaDeviceSynchronize());
         std::vector<float> o = out.get();
+        // several slices: each slice's normalised output passes through fp16 (AttSlices, launch.cuh), a
+        // weighted mean of cache rows rounded to 2^-11 of the largest |v| at most; one slice: fp32 only
+        double slack = 0;
+        if (n_split > 1 && past + 1 > k::attention_min_chunk())
+          for (int i = 0; i < (past + 1) * KV; ++i) slack = std::max(slack, std::fabs(static_cast<double>(cv[i])) / 2048);
         for (int h = 0; h < n_head; ++h) {
           const std::vector<double> want = attention_twin(&row[h * hd], ck, cv, KV, h / G, hd, past + 1);
-          for (int d = 0; d < hd; ++d) ASSERT_NEAR(o[h * hd + d], want[d], 2e-4) << "head " << h << " dim " << d;
+          for (int d = 0; d < hd; ++d) ASSERT_NEAR(o[h * hd + d], want[d], 2e-4 + slack) << "head " << h << " dim " << d;
         }
         std::vector<uint16_t> gk = dk.get(), gv = dv.get();
         for (int i = 0; i < KV; ++i) {
