@@ -200,8 +200,14 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 // wait (weights do not depend on the previous kernel). All matrices of one type T (the host checks).
 constexpr int kLmStages = 3;
 __host__ __device__ inline size_t lm_ring_offset(int cols) { return (xq_smem(cols) + 15) / 16 * 16; }
-__host__ __device__ constexpr size_t lm_ring_bytes(int warps) {
-  return static_cast<size_t>(warps) * kLmStages * 16 * 224;  // 224: the largest super-block (Q6_K)
+__host__ __device__ constexpr size_t lm_ring_bytes(int warps) {  // room for the largest super-block (Q6_K)
+  return static_cast<size_t>(warps) * kLmStages * 16 * sb_bytes<layout::Q6_K>();
+}
+// The first row of tile `tile` of a GemvArgs' matrices, and in m the matrix it belongs to.
+__device__ __forceinline__ int tile_row0(const GemvArgs& a, int tile, int& m) {
+  m = 0;
+  while (tile >= a.tiles_before[m + 1]) ++m;
+  return (tile - a.tiles_before[m]) * 16;
 }
 template <uint32_t T, int kW>
 struct LmPipe {
@@ -217,16 +223,11 @@ struct LmPipe {
     it_tile = blockIdx.x * kW + warp;
     it_sb = 0;
   }
-  __device__ int row0(int tile, int& m) const {
-    m = 0;
-    while (tile >= a.tiles_before[m + 1]) ++m;
-    return (tile - a.tiles_before[m]) * 16;
-  }
   // issues the next super-block's copies (an empty group past the warp's last tile: the counts stay uniform)
   __device__ void issue() {
     if (it_tile < total) {
       int m;
-      const int r0 = row0(it_tile, m);
+      const int r0 = tile_row0(a, it_tile, m);
       const Mat& W = a.outs[m].W;
       uint8_t* dst = ring + slot * 16 * BB;
       for (int c = threadIdx.x & 31; c < BB; c += 32) {  // BB 16-byte pieces: 16 rows of BB / 16
@@ -265,7 +266,7 @@ struct LmPipe {
       cur = cur + 1 == kLmStages ? 0 : cur + 1;
       if (++sb == nsb) {
         int m;
-        const int r0 = row0(tile, m);
+        const int r0 = tile_row0(a, tile, m);
         warp_rows_to_smem(acc, part16);
         __syncwarp();
         if (lane < 16 && r0 + lane < a.outs[m].W.rows) {
@@ -307,11 +308,7 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   MOE_TRACE_SCOPE(1);
   const XQ xq = carve_xq(smem, a.cols);
   const int total = a.tiles_before[a.n_outs];
-  auto find = [&](int tile, int& m) {
-    m = 0;
-    while (tile >= a.tiles_before[m + 1]) ++m;
-    return (tile - a.tiles_before[m]) * 16;
-  };
+  auto find = [&](int tile, int& m) { return tile_row0(a, tile, m); };
   // A tile's rows are consecutive: one bulk prefetch (the SM issues bulk prefetches one after another,
   // ~45 ns each: one per row kept the gate/up kernel's warp 0 issuing for 1.4 us, see tc_gate_up_kernel).
   auto prefetch = [&](int tile) {

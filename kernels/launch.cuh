@@ -88,8 +88,8 @@ struct RouterAcc {
 // attention_partial_stride(head_dim) floats per (KV head, slice, query head of the group): the slice's
 // normalised output (Σ p v / Σ p, a weighted mean of fp16 cache rows, so in fp16's range) as head_dim
 // fp16 values, then its max m and sum L as floats (16-byte rows). Half the bytes of fp32 partials for the
-// O projection's 128 blocks that each read every slice; the rounding (2^-12 of the value) is that of the
-// cache rows themselves.
+// O projection's 128 blocks that each read every slice; the rounding (at most 2^-11 of the value) is that
+// of the cache rows themselves.
 constexpr int kAttMaxDefer = 8;
 struct AttSlices {
   const float* partials = nullptr;  // null: the O projection reads the merged output
