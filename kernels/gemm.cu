@@ -2,10 +2,12 @@
 // grouped by expert (every expert over the tokens routed to it; the gate/up form stacks the gate and
 // up rows of a tile, one warp holding both, and writes silu(gate) * up). Two kernels:
 //
-// 1. Integer path (Q4_K, Q5_K, Q6_K; igemm_kernel in gemm_kq.cu): the weights stay quant codes, as
-//    8-bit A operands of the integer MMA, against activations quantized per token and 32-column slice
-//    to 24 bits (three int8 digits, three MMAs per product); fp32 epilogue per slice. Where it applies:
-//    gate and up of one type, at most kMaxItemExperts experts, MOE_CUDA_GEMM_I8 not 0.
+// 1. K-quant path (Q4_K, Q5_K, Q6_K; igemm_kernel in gemm_kq.cu): with the input split by split_h16
+//    (the caller's xh / hh / acth), fp16 MMAs on the centred codes (times their sub-block scales for
+//    Q4_K/Q5_K) against the activations in fp16 hi + lo; otherwise the codes as 8-bit A operands of
+//    the integer MMA against activations quantized per token and 32-column slice to 24 bits (three
+//    int8 digits, three MMAs per product; fp32 epilogue per slice). Where it applies: gate and up of
+//    one type, at most kMaxItemExperts experts, MOE_CUDA_GEMM_I8 not 0.
 // 2. fp32 path (every other type; gemm_kernel in gemm_float.cu): 3xTF32 on dequantized values, 2xTF32
 //    on the codes of Q4_0, Q5_0, Q8_0.
 //
@@ -34,7 +36,7 @@ void set_geometry(const Mat& M, int& be, int& bb) {
 }  // namespace
 
 cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y, int y_stride, bool accumulate,
-                 cudaStream_t s) {
+                 cudaStream_t s, const void* xh) {
   GemmArgs a{};
   a.W = W;
   set_geometry(W, a.be, a.bb);
@@ -44,13 +46,14 @@ cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y
   a.y_stride = y_stride;
   a.accumulate = accumulate;
   a.n_tok = n_tok;
+  a.XH = static_cast<const uint4*>(xh);
   if (is_i8_type(W.type) && i8_enabled()) return gemm_i8(GemmOp::dense, a, n_tok, s);
   return gemm_float(GemmOp::dense, a, n_tok, s);
 }
 
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
                                    const int* offset, const int32_t* token_of_slot, int n_expert, int max_count,
-                                   float* act, cudaStream_t s) {
+                                   float* act, cudaStream_t s, const void* hh) {
   GemmArgs a{};
   a.W = G;
   a.W2 = U;
@@ -64,13 +67,14 @@ cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, i
   a.count = count;
   a.offset = offset;
   a.n_expert = n_expert;
+  a.XH = static_cast<const uint4*>(hh);
   if (G.type == U.type && is_i8_type(G.type) && n_expert <= kMaxItemExperts && i8_enabled())
     return gemm_i8(GemmOp::gate_up, a, max_count, s);
   return gemm_float(GemmOp::gate_up, a, max_count, s);
 }
 
 cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
-                                int max_count, float* out, cudaStream_t s) {
+                                int max_count, float* out, cudaStream_t s, const void* acth) {
   GemmArgs a{};
   a.W = D;
   set_geometry(D, a.be, a.bb);
@@ -81,6 +85,7 @@ cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count
   a.count = count;
   a.offset = offset;
   a.n_expert = n_expert;
+  a.XH = static_cast<const uint4*>(acth);
   if (is_i8_type(D.type) && n_expert <= kMaxItemExperts && i8_enabled()) return gemm_i8(GemmOp::down, a, max_count, s);
   return gemm_float(GemmOp::down, a, max_count, s);
 }

@@ -23,6 +23,7 @@ struct GemmArgs {
   const int* count;       // grouped: tokens per expert (nullptr: dense)
   int n_expert;           // grouped
   const int* offset;
+  const uint4* XH;        // X split for the fp16 path (split_h16; nullptr: the integer path)
 };
 
 // The types of the integer path.

@@ -252,10 +252,18 @@ cudaError_t decode_persist(const PersistArgs& a, size_t smem, int blocks, cudaSt
 
 // ---- prefill ----------------------------------------------------------------------------------------
 // Y[t][r] (+)= W.row(r) · X[t] for t < n_tok (tiled on the tensor cores at fp32-level accuracy: K-quant codes
-// on the integer MMA against 24-bit activations, 2xTF32 on the codes of Q4_0/Q5_0/Q8_0, 3xTF32 on
-// dequantized floats; see gemm.cu).
+// in fp16 against split activations (xh) or on the integer MMA against 24-bit activations, 2xTF32 on
+// the codes of Q4_0/Q5_0/Q8_0, 3xTF32 on dequantized floats; see gemm.cu).
+// xh (optional): X split by split_h16, which lets Q4_K/Q5_K take the fp16 path (below).
 cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y, int y_stride, bool accumulate,
-                 cudaStream_t s);
+                 cudaStream_t s, const void* xh = nullptr);
+// The fp16 path of the K-quant prefill GEMMs (gemm_kq.cu): the activations split once per input into
+// fp16 hi/lo records (per row and 256 columns: split_h16_bytes), which the GEMM tiles copy as they
+// are. split_h16_wanted: W's GEMMs would read such a split (Q4_K/Q5_K/Q6_K, columns a multiple of
+// 256, MOE_CUDA_GEMM_H16 not 0).
+bool split_h16_wanted(const Mat& W);
+size_t split_h16_bytes(int rows, int cols);
+cudaError_t split_h16(const float* X, int x_stride, int rows, int cols, void* out, cudaStream_t s);
 // Per token: softmax over the router logits, top n_used, renormalised weights.
 cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,
                       cudaStream_t s);
@@ -267,10 +275,10 @@ cudaError_t group_by_expert(const int32_t* ids, int n_tok, int n_used, int n_exp
 // every expert e (tiles of experts with fewer tokens exit at once; max_count bounds the tile grid).
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
                                    const int* offset, const int32_t* token_of_slot, int n_expert, int max_count,
-                                   float* act, cudaStream_t s);
+                                   float* act, cudaStream_t s, const void* hh = nullptr);
 // out[slot][r] = D_e.row(r)·act[slot].
 cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
-                                int max_count, float* out, cudaStream_t s);
+                                int max_count, float* out, cudaStream_t s, const void* acth = nullptr);
 // x[t] += Σ_j weights[t][j] * out[slot_of[t][j]] (j in rank order).
 cudaError_t combine_experts(const float* out, const int32_t* slot_of, const float* weights, int n_tok, int n_used,
                             int cols, float* x, cudaStream_t s);

@@ -21,6 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
 
 #if defined(__CUDACC__)
 #define MOE_HD __host__ __device__ __forceinline__
@@ -279,6 +282,61 @@ MOE_HD int ldsm_byte(int lane) { return 16 * (lane >> 4); }
 
 }  // namespace i8
 
+// ---- the fp16 path of the prefill GEMMs (Q4_K, Q5_K) ------------------------------------------
+// Weights as fp16 A operands of mma.sync m16n8k16 (fp32 accumulate) holding (q - o) * sc, the
+// centred quant code times its 6-bit sub-block scale: an integer of magnitude at most 16 * 63, exact
+// in fp16, so a whole super-block (256 columns, eight sub-blocks) accumulates in the MMA and only d,
+// dmin and the offsets' sum are applied per super-block. Activations: per token and super-block x' = x * 2^e with max|x'| in
+// [2^14, 2^15), split in fp16 hi + lo (x' - hi), ~2^-22 |x'| (finer than the 24-bit digits for all
+// but the slice's largest elements); two MMAs per product.
+// Fragments (PTX "m16n8k16" .f16, g = lane >> 2, t = lane & 3): A a0 (row g, k 2t, 2t+1), a1 (g+8),
+// a2 (g, k 2t+8, 2t+9), a3 (g+8); B b0 (k 2t, 2t+1, column g), b1 (k 2t+8, 2t+9). The k order within
+// a 16-column step is free when A and B agree: lane t's raw code bytes are columns 4t..4t+3 (the
+// ldmatrix words of the integer path), and the pair (bytes 0, 2) plays k (2t, 2t+1), the pair
+// (bytes 1, 3) plays k (2t+8, 2t+9); the activations are staged in the same order.
+namespace h16 {
+
+// The power-of-two factor of a token's super-block and its inverse, from the bits of max|x|: the
+// biased exponent E of max|x| (at least 27, i.e. 2^-100: anything smaller counts as that small)
+// gives f = 2^(141 - E - 127) so that max|x * f| < 2^15; inf/NaN (E = 255) give finite factors and
+// the NaN or inf propagates through the products.
+struct TokScale {
+  float f, inv;
+};
+MOE_HD TokScale token_scale(uint32_t amax_bits) {
+  uint32_t e = amax_bits >> 23;
+  if (e < 27u) e = 27u;
+  return {u2f((268u - e) << 23), u2f((e - 14u) << 23)};
+}
+// The magic pairs of one code word (four bytes, columns 4t..4t+3): bits `mask` of bytes 0 and 2
+// (or 1 and 3 after w >> 8) under the fp16 exponent of 1024, i.e. the halves 1024 + code (mask
+// 0x000F000F / 0x001F001F) or 1024 + 16 code (0x00F000F0, Q4_K's high nibbles); subtracting
+// 1024 + o (or 1024 + 16 o) is exact.
+MOE_HD uint32_t magic_pair(uint32_t w, uint32_t mask) { return (w & mask) | 0x64006400u; }
+// Byte b of w (a 6-bit scale) under the exponent of 1024, twice: the half2 (1024 + sc, 1024 + sc)
+// (one byte permutation on the device).
+MOE_HD uint32_t magic_scale2(uint32_t w, int b) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(w, 0x64646464u, static_cast<uint32_t>(b | 4 << 4 | b << 8 | 4 << 12));
+#else
+  const uint32_t s = (w >> (8 * b)) & 0xFFu;
+  return s | (s << 16) | 0x64006400u;
+#endif
+}
+
+// The split activations of one token and super-block, a record of kRec4 uint4 (split_h16 writes them
+// to global memory before the GEMM, which copies them whole into shared memory): uint4 {hi b0, hi b1,
+// lo b0, lo b1} of 16-column step s, slice j, lane t at 32 s + 4 j + t; then 1 / f (float kRecInv),
+// the slice sums in the layout of the minimums' B fragments (i8::xs_index / xs_word: uint4 kRecXs + t)
+// and their lo parts (xs2_word: floats from kRecXs2).
+constexpr int kRec4 = 72, kRecInv = 256, kRecXs = 65, kRecXs2 = 276;
+// In shared memory a token's record sits kPitch4 uint4 after the previous one, so that a reading phase
+// (tokens g, g + 1, lanes t) spans two rows 16 banks apart.
+constexpr int kPitch4 = 76;
+MOE_HD int bh_index(int n, int s, int j, int t) { return n * kPitch4 + 32 * s + 4 * j + t; }
+
+}  // namespace h16
+
 #if defined(__CUDACC__)
 namespace i8 {
 // d = A (16 x 32 u8) B (32 x 8 s8) + c (the same c in every element).
@@ -303,6 +361,35 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 }  // namespace i8
+
+namespace h16 {
+// d += A (16 x 16 f16) B (16 x 8 f16), fp32 accumulate.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// mul / sub .rn.f16x2 on raw registers: exact where used (small integers, powers of two).
+__device__ __forceinline__ uint32_t hmul2_u(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t hsub2_u(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// The fp16 pair {a (low half), b (high)}, rounded to nearest even.
+__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ float2 unpack_h2(uint32_t w) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+}  // namespace h16
 #endif  // __CUDACC__
 
 }  // namespace moe::cuda::dev

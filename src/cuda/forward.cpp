@@ -336,6 +336,9 @@ class CudaForward final : public Forward {
         k::kArgmaxScratch * f,                                // argmax partials
         B * c_.head_dim * f,                                  // RoPE tables: the decode position, or the chunk's
         (X + 1) * 8 + 16,                                     // the router's fixed-point sums and their unit
+        std::max({k::split_h16_bytes(static_cast<int>(B), static_cast<int>(E)),  // a prefill GEMM's split
+                  k::split_h16_bytes(static_cast<int>(B), static_cast<int>(Q)),  // input (h, o or act)
+                  k::split_h16_bytes(static_cast<int>(B * K), static_cast<int>(F))}),
     };
   }
   uint64_t scratch_bytes() const {
@@ -480,6 +483,7 @@ class CudaForward final : public Forward {
     racc_.n = static_cast<int>(c_.n_expert);
     racc_.acc = reinterpret_cast<long long*>(p[21]);
     racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
+    split_ = p[22];
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
     for (cudaEvent_t& e : step_done_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "upload failed");
     chain_ = k::env_switch("MOE_CUDA_CHAIN", true);
@@ -729,35 +733,45 @@ class CudaForward final : public Forward {
     check_step(cudaMemcpyAsync(prefill_pos_, host_io_ + 3, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     check_step(k::embed_rows(embd_, prefill_ids_, n, x_, stream_));
     check_step(k::rope_table(prefill_pos_, n, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_));  // every layer's
+    const int F = static_cast<int>(c_.expert_ffn);
+    // The input of a layer's Q4_K/Q5_K GEMMs split once for their fp16 path (k::split_h16), or nullptr.
+    auto split = [&](bool wanted, const float* in, int rows, int cols) -> const void* {
+      if (!wanted) return nullptr;
+      check_step(k::split_h16(in, cols, rows, cols, split_, stream_));
+      return split_;
+    };
     for (size_t l = 0; l < layers_.size(); ++l) {
       const DevLayer& L = layers_[l];
       check_step(k::rmsnorm_rows(x_, L.attn_norm, n, E, E, eps, h_, stream_));
+      const void* hs = split(k::split_h16_wanted(L.q) || k::split_h16_wanted(L.k) || k::split_h16_wanted(L.v), h_, n, E);
       if (prefill_overlap() && side_stream()) {
         // V on the side stream next to K: at prefill sizes each is a small GEMM that leaves most of
         // the GPU idle (latency-bound); Q follows K, the attention waits for both
         check_step(cudaEventRecord(fork_, stream_));
         check_step(cudaStreamWaitEvent(side_, fork_, 0));
-        check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, side_));
+        check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, side_, hs));
         check_step(cudaEventRecord(join_, side_));
-        check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_));
-        check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_));
+        check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_, hs));
+        check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_, hs));
         check_step(cudaStreamWaitEvent(stream_, join_, 0));
       } else {
-        check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_));
-        check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_));
-        check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, stream_));
+        check_step(k::gemm(L.q, h_, E, n, qkv_, qkv_stride, false, stream_, hs));
+        check_step(k::gemm(L.k, h_, E, n, qkv_ + Q, qkv_stride, false, stream_, hs));
+        check_step(k::gemm(L.v, h_, E, n, qkv_ + Q + KV, qkv_stride, false, stream_, hs));
       }
       check_step(k::qk_norm_rope_store(qkv_, n, prefill_pos_, L.q_norm, L.k_norm, c_.n_head, c_.n_head_kv,
                                        c_.head_dim, eps, rp, k_cache(l), v_cache(l), rope_cs_, stream_));
       check_step(k::attention(qkv_, qkv_stride, n, prefill_pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv,
                               c_.head_dim, o_, stream_));
-      check_step(k::gemm(L.o, o_, Q, n, x_, E, true, stream_));
+      check_step(k::gemm(L.o, o_, Q, n, x_, E, true, stream_, split(k::split_h16_wanted(L.o), o_, n, Q)));
       check_step(k::rmsnorm_rows(x_, L.ffn_norm, n, E, E, eps, h_, stream_));
       check_step(k::gemm(L.router, h_, E, n, router_logits_, X, false, stream_));
       check_step(k::topk_rows(router_logits_, n, X, K, ids_, wts_, stream_));
       check_step(k::group_by_expert(ids_, n, K, X, count_, offset_, token_of_slot_, slot_of_, stream_));
-      check_step(k::expert_gate_up_grouped(L.gate, L.up, h_, E, count_, offset_, token_of_slot_, X, n, act_, stream_));
-      check_step(k::expert_down_grouped(L.down, act_, count_, offset_, X, n, expert_out_, stream_));
+      check_step(k::expert_gate_up_grouped(L.gate, L.up, h_, E, count_, offset_, token_of_slot_, X, n, act_, stream_,
+                                           split(k::split_h16_wanted(L.gate), h_, n, E)));
+      check_step(k::expert_down_grouped(L.down, act_, count_, offset_, X, n, expert_out_, stream_,
+                                        split(k::split_h16_wanted(L.down), act_, n * K, F)));
       check_step(k::combine_experts(expert_out_, slot_of_, wts_, n, K, E, x_, stream_));
     }
     float* logits = static_cast<float*>(logits_.ptr);
@@ -819,6 +833,7 @@ class CudaForward final : public Forward {
   unsigned* barrier_ = nullptr;
   int32_t* early_tag_ = nullptr;  // the expert ids' tag for the down kernel's early prefetch (k::EarlyIds)
   float* rope_cs_ = nullptr;
+  void* split_ = nullptr;  // the split input of the prefill's fp16-path GEMMs (k::split_h16)
   // the persistent decode kernel (decode_persist.cu): its layer table, arguments and launch shape
   DeviceBuffer persist_table_, profile_;
   std::string profile_path_;
