@@ -68,23 +68,15 @@ constexpr int kFlashWarps = 4;
 constexpr int kFlashRows = 16 * kFlashWarps;  // query rows per block
 constexpr int kFlashKeys = 64;                // cache positions per tile
 
-__device__ __forceinline__ uint32_t pack_h2(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
+using h16::mma_f16;
+using h16::pack_h2;
+
 // hi = fp16(a, b); lo = fp16 of what hi leaves out.
 __device__ __forceinline__ void split_h2(float a, float b, uint32_t& hi, uint32_t& lo) {
   const __half2 h = __floats2half2_rn(a, b);
   const float2 r = __half22float2(h);
   hi = *reinterpret_cast<const uint32_t*>(&h);
   lo = pack_h2(a - r.x, b - r.y);
-}
-// d += A (16 x 16 f16, row-major) B (16 x 8 f16, column-major), fp32 accumulators.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
