@@ -477,6 +477,27 @@ __device__ __forceinline__ void stage_kq_h(const uint8_t* Ws, const uint8_t* act
   }
 }
 
+// Walks a Q6_K stage: for each half n_ (128 columns) and 32-column group j = 4 n_ + k, f(n_, k, hi, ql,
+// qh) with the tile rows' ldmatrix words of the group's low nibbles (ql, nibble hi) and high bits (qh).
+template <class S, class F>
+__device__ __forceinline__ void q6k_walk(const uint8_t* const (&lrow)[S::MT], F&& f) {
+  using Q = QT<layout::Q6_K>;
+#pragma unroll
+  for (int n_ = 0; n_ < 2; ++n_) {
+    uint32_t qh[S::MT][4];
+#pragma unroll
+    for (int i = 0; i < S::MT; ++i) ldsm_x4(qh[i], lrow[i] + Q::QH + 32 * n_);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t ql[S::MT][4];
+#pragma unroll
+      for (int i = 0; i < S::MT; ++i) ldsm_x4(ql[i], lrow[i] + Q::QL + 64 * n_ + 32 * kk);
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) f(n_, kk + 2 * hi, hi, ql, qh);
+    }
+  }
+}
+
 // The fp16 path's products of one stage of Q6_K into acc: A = q - 32 (exact; q6k codes under the
 // fp16 exponent of 1024, then one exact subtraction), the 16-column step's two MMAs (lo, hi) from
 // zero, then Ds += sc * D per step in fp32 (sc, an int8 per 16 columns, times q - 32 would not always
@@ -506,19 +527,8 @@ __device__ __forceinline__ void stage_q6k_h(const uint8_t* Ws, const uint8_t* ac
     for (int n = 0; n < S::NJ; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) Ds[i][n][e] = 0.f;
-#pragma unroll
-  for (int n_ = 0; n_ < 2; ++n_) {
-    uint32_t qh[S::MT][4];
-#pragma unroll
-    for (int i = 0; i < S::MT; ++i) ldsm_x4(qh[i], lrow[i] + Q::QH + 32 * n_);
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      uint32_t ql[S::MT][4];
-#pragma unroll
-      for (int i = 0; i < S::MT; ++i) ldsm_x4(ql[i], lrow[i] + Q::QL + 64 * n_ + 32 * kk);
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int k = kk + 2 * hi, j = 4 * n_ + k;
+  q6k_walk<S>(lrow, [&](int n_, int k, int hi, const uint32_t (&ql)[S::MT][4], const uint32_t (&qh)[S::MT][4]) {
+        const int j = 4 * n_ + k;
 #pragma unroll
         for (int st = 0; st < 2; ++st) {
           uint32_t A[S::MT][4];
@@ -552,9 +562,7 @@ __device__ __forceinline__ void stage_q6k_h(const uint8_t* Ws, const uint8_t* ac
             }
           }
         }
-      }
-    }
-  }
+  });
 #pragma unroll
   for (int n = 0; n < S::NJ; ++n) {
     if (n >= nj) break;
@@ -590,19 +598,8 @@ __device__ __forceinline__ void stage_q6k(const uint8_t* Ws, const uint8_t* act,
       nd[i][h] = -dd[i][h] * kMagic;
     }
   }
-#pragma unroll
-  for (int n_ = 0; n_ < 2; ++n_) {
-    uint32_t qh[S::MT][4];
-#pragma unroll
-    for (int i = 0; i < S::MT; ++i) ldsm_x4(qh[i], lrow[i] + Q::QH + 32 * n_);
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      uint32_t ql[S::MT][4];
-#pragma unroll
-      for (int i = 0; i < S::MT; ++i) ldsm_x4(ql[i], lrow[i] + Q::QL + 64 * n_ + 32 * kk);
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int k = kk + 2 * hi, j = 4 * n_ + k;
+  q6k_walk<S>(lrow, [&](int n_, int k, int hi, const uint32_t (&ql)[S::MT][4], const uint32_t (&qh)[S::MT][4]) {
+        const int j = 4 * n_ + k;
         uint32_t A[S::MT][4];
         float rs[S::MT][2][2];  // [tile][row g, g + 8][columns 0-15, 16-31]: d * scale
 #pragma unroll
@@ -619,9 +616,7 @@ __device__ __forceinline__ void stage_q6k(const uint8_t* Ws, const uint8_t* act,
             }
         }
         slice_products(av, j, nj, A, rs, acc);
-      }
-    }
-  }
+  });
 }
 
 // The integer path's staging of one token n of a stage: lane 4 j + t quantizes its eight columns of

@@ -677,8 +677,8 @@ void check_tile(Type type, Dist d, int cols, std::mt19937_64& rng, Ratio& r, boo
 
 // Fragment or layout mistakes show up as O(1) errors; the accuracy is asked to stay below a tenth of
 // the kernel tests' bound (half for 1000x outliers) on every distribution (K = 512 and 2048, 4096
-// outputs per type and distribution).
-TEST(GemmEmulation, IntegerFragmentsMatchDequantizedProduct) {
+// outputs per type and distribution). fp16: the fp16 path's model (stage_h) instead of the integer one.
+void emulate_types(bool fp16) {
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
@@ -692,32 +692,14 @@ TEST(GemmEmulation, IntegerFragmentsMatchDequantizedProduct) {
       const char* wenv = std::getenv("MOE_GEMM_EMU_COLS");
       const int w0 = wenv ? std::atoi(wenv) : 512;
       for (int cols : {w0, 2048})
-        for (int it = 0; it < trials; ++it) check_tile(t, d, cols, rng, r);
-      std::printf("  %-5s %-14s error / bound: worst %.4f, rms %.5f (%lld outputs)\n", moe::gguf::type_name(t).c_str(),
-                  dist_name(d), r.worst, r.rms(), static_cast<long long>(r.n));
+        for (int it = 0; it < trials; ++it) check_tile(t, d, cols, rng, r, fp16);
+      std::printf("  %-5s %-14s %s error / bound: worst %.4f, rms %.5f (%lld outputs)\n", moe::gguf::type_name(t).c_str(),
+                  dist_name(d), fp16 ? "fp16" : "int8", r.worst, r.rms(), static_cast<long long>(r.n));
       EXPECT_LT(r.worst, d == Dist::Outliers1000 ? 0.5 : 0.1);
     }
 }
-
-// The fp16 path the same way: fragment or layout mistakes as O(1) errors, and the
-// accuracy below a tenth of the bound (half for 1000x outliers).
-TEST(GemmEmulation, Fp16FragmentsMatchDequantizedProduct) {
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
-  for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K})
-    for (Dist d : {Dist::Exact, Dist::Gauss, Dist::SwiGlu, Dist::Outliers, Dist::Outliers1000}) {
-      SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << ", " << dist_name(d));
-      Ratio r;
-      const char* env = std::getenv("MOE_GEMM_EMU_TRIALS");
-      const int trials = env ? std::max(1, std::atoi(env)) : 16;
-      for (int cols : {512, 2048})
-        for (int it = 0; it < trials; ++it) check_tile(t, d, cols, rng, r, true);
-      std::printf("  %-5s %-14s fp16 error / bound: worst %.4f, rms %.5f (%lld outputs)\n", moe::gguf::type_name(t).c_str(),
-                  dist_name(d), r.worst, r.rms(), static_cast<long long>(r.n));
-      EXPECT_LT(r.worst, d == Dist::Outliers1000 ? 0.5 : 0.1);
-    }
-}
+TEST(GemmEmulation, IntegerFragmentsMatchDequantizedProduct) { emulate_types(false); }
+TEST(GemmEmulation, Fp16FragmentsMatchDequantizedProduct) { emulate_types(true); }
 
 // The fp16 path's exact steps: every centred code times every 6-bit scale through the magic pair
 // (low and high nibbles, five-bit codes), and the token factors.
