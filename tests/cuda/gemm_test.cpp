@@ -196,6 +196,20 @@ Act quantize_stage(const std::vector<float>& X, int cols, int kt) {
   return act;
 }
 
+// q6k_walk for the modelled tile: f(n_, k, hi, j, ql, qh) per 32-column group of a Q6_K stage.
+template <class Ldsm, class F>
+void q6k_walk_model(Ldsm&& ldsm, F&& f) {
+  for (int n_ = 0; n_ < 2; ++n_) {
+    Regs4 qh;
+    ldsm(128 + 32 * n_, qh);
+    for (int kk = 0; kk < 2; ++kk) {
+      Regs4 ql;
+      ldsm(64 * n_ + 32 * kk, ql);
+      for (int hi = 0; hi < 2; ++hi) f(n_, kk + 2 * hi, hi, 4 * n_ + kk + 2 * hi, ql, qh);
+    }
+  }
+}
+
 // stage_kq / stage_q6k for the modelled tile; acc[lane][e] as in the kernel.
 void stage(Type type, const std::vector<uint8_t>& W, const Act& act, float (&acc)[32][4]) {
   const TypeGeo tg = geo(type);
@@ -286,14 +300,7 @@ void stage(Type type, const std::vector<uint8_t>& W, const Act& act, float (&acc
         dd[lane][h] = half_of(ld32(hdr(lane, h, 208)), 0);
         nd[lane][h] = -dd[lane][h] * kMagic;
       }
-    for (int n_ = 0; n_ < 2; ++n_) {
-      Regs4 qh;
-      ldsm(128 + 32 * n_, qh);
-      for (int kk = 0; kk < 2; ++kk) {
-        Regs4 ql;
-        ldsm(64 * n_ + 32 * kk, ql);
-        for (int hi = 0; hi < 2; ++hi) {
-          const int k = kk + 2 * hi, j = 4 * n_ + k;
+    q6k_walk_model(ldsm, [&](int n_, int k, int hi, int j, const Regs4& ql, const Regs4& qh) {
           uint32_t a0[32][2], a1[32][2], ba0[32], bb0[32], bc0[32], ba1[32], bb1[32], bc1[32];
           float rs[32][2][2];
           for (int lane = 0; lane < 32; ++lane) {
@@ -322,9 +329,7 @@ void stage(Type type, const std::vector<uint8_t>& W, const Act& act, float (&acc
               const float v0 = fma_rn(rs[lane][e >> 1][0], value(da0[lane][e], db0[lane][e], dc0[lane][e], lane, j, e), acc[lane][e]);
               acc[lane][e] = fma_rn(rs[lane][e >> 1][1], value(da1[lane][e], db1[lane][e], dc1[lane][e], lane, j, e), v0);
             }
-        }
-      }
-    }
+    });
   }
 }
 
@@ -443,14 +448,7 @@ void stage_h(Type type, const std::vector<uint8_t>& W, const ActH& act, float (&
         for (int w = 0; w < 4; ++w) scv[lane][h][w] = ld32(hdr(lane, h) + 192 + 4 * w);
         dd[lane][h] = half_of(ld32(hdr(lane, h) + 208), 0);
       }
-    for (int n_ = 0; n_ < 2; ++n_) {
-      Regs4 qh;
-      ldsm(128 + 32 * n_, qh);
-      for (int kk = 0; kk < 2; ++kk) {
-        Regs4 ql;
-        ldsm(64 * n_ + 32 * kk, ql);
-        for (int hi = 0; hi < 2; ++hi) {
-          const int k = kk + 2 * hi, j = 4 * n_ + k;
+    q6k_walk_model(ldsm, [&](int n_, int k, int hi, int j, const Regs4& ql, const Regs4& qh) {
           for (int st = 0; st < 2; ++st) {
             Regs4 A;
             uint32_t bhi[32][2], blo[32][2];
@@ -475,9 +473,7 @@ void stage_h(Type type, const std::vector<uint8_t>& W, const ActH& act, float (&
             for (int lane = 0; lane < 32; ++lane)
               for (int e = 0; e < 4; ++e) Ds[lane][e] = fma_rn(sc[lane][e >> 1], D[lane][e], Ds[lane][e]);
           }
-        }
-      }
-    }
+    });
     for (int lane = 0; lane < 32; ++lane)
       for (int e = 0; e < 4; ++e) acc[lane][e] = fma_rn(mul_rn(dd[lane][e >> 1], Ds[lane][e]), tinv(lane, e), acc[lane][e]);
     return;
