@@ -309,8 +309,15 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
     const int nj = min(S::NJ, (cit.cnt + 7) >> 3);
     const uint8_t* Ws = wbuf + (s & 1) * M::W;
     const uint8_t* act = abuf + (s & 1) * M::ACT;
-    if constexpr (H && T == layout::Q6_K) stage_q6k_h<S>(Ws, act, nj, acc);
-    else if constexpr (H) stage_kq_h<S, T>(Ws, act, nj, acc);
+    // fp16 path: a full token tile (nj == NJ) runs Q4_K/Q5_K's stage as straight-line code, where the
+    // next slice's A build overlaps this slice's MMAs (with a branch per token group in between ptxas
+    // keeps them apart; the Q6_K stage's straight-line form spills, so it keeps the branches).
+    if constexpr (H && T == layout::Q6_K) {
+      stage_q6k_h<S>(Ws, act, nj, acc);
+    } else if constexpr (H) {
+      if (nj == S::NJ) stage_kq_h<S, T, true>(Ws, act, nj, acc);
+      else stage_kq_h<S, T, false>(Ws, act, nj, acc);
+    }
     else if constexpr (T == layout::Q6_K) stage_q6k<S>(Ws, act, nj, acc);
     else stage_kq<S, T>(Ws, act, nj, acc);
 

@@ -24,7 +24,7 @@ struct HSmem {
   static constexpr size_t ACT = static_cast<size_t>(S::BN) * h16::kPitch4 * 16;
   static constexpr size_t LAND = 0;
   static constexpr size_t FIXED = 2 * W + 2 * ACT;
-  static constexpr size_t bytes(int n_e) { return FIXED + (12 * static_cast<size_t>(n_e + 1) + 15) / 16 * 16; }
+  static constexpr size_t bytes(int n_e) { return FIXED + (4 * (3 * static_cast<size_t>(n_e) + 1) + 16 + 15) / 16 * 16; }
   static constexpr size_t MAX = bytes(S::GROUPED ? 512 : 1);
 };
 // Whether HSmem<S, T> fits S::MIN_BLOCKS blocks per SM (sm_90: 227 KB per block, 228 KB per SM with
@@ -39,7 +39,8 @@ constexpr bool h_fits = HSmem<S, T>::MAX <= 232448 && S::MIN_BLOCKS * (HSmem<S, 
 // eight slices accumulate in D through the MMAs (lo part first); then per output
 // acc += (d D + o d Ds - dmin Dm) / f of the token, with Ds = sum_j sc_j S_j and Dm = sum_j m_j S_j
 // over the slice sums S_j by tf32 MMAs as in stage_kq.
-template <class S, uint32_t T>
+// FULL: nj == S::NJ (straight-line code, no branch between the A builds and the MMAs).
+template <class S, uint32_t T, bool FULL>
 __device__ __forceinline__ void stage_kq_h(const uint8_t* Ws, const uint8_t* act, int nj, float (&acc)[S::MT][S::NJ][4]) {
   using Q = QT<T>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -107,17 +108,22 @@ __device__ __forceinline__ void stage_kq_h(const uint8_t* Ws, const uint8_t* act
         }
       }
 #pragma unroll
-      for (int n = 0; n < S::NJ; ++n) {
-        if (n >= nj) break;
+      for (int st = 0; st < 2; ++st) {
+        uint4 b[S::NJ];
 #pragma unroll
-        for (int st = 0; st < 2; ++st) {
-          const uint4 b = bh[h16::bh_index(8 * n + g, st, j, t)];
+        for (int n = 0; n < S::NJ; ++n)
+          if (FULL || n < nj) b[n] = bh[h16::bh_index(8 * n + g, st, j, t)];
+        // The lo parts of every tile, then the hi parts: an accumulator's next MMA is MT * nj - 1
+        // MMAs later (each accumulator still sees lo before hi, step 0 before step 1).
 #pragma unroll
-          for (int i = 0; i < S::MT; ++i) {
-            h16::mma_f16(D[i][n], A[i][st], b.z, b.w);
-            h16::mma_f16(D[i][n], A[i][st], b.x, b.y);
+        for (int p = 0; p < 2; ++p)
+#pragma unroll
+          for (int n = 0; n < S::NJ; ++n) {
+            if (!FULL && n >= nj) break;
+#pragma unroll
+            for (int i = 0; i < S::MT; ++i)
+              h16::mma_f16(D[i][n], A[i][st], p ? b[n].x : b[n].z, p ? b[n].y : b[n].w);
           }
-        }
       }
     }
   }
@@ -136,7 +142,7 @@ __device__ __forceinline__ void stage_kq_h(const uint8_t* Ws, const uint8_t* act
   constexpr float kOff = T == layout::Q4_K ? 8.f : 16.f;
 #pragma unroll
   for (int n = 0; n < S::NJ; ++n) {
-    if (n >= nj) break;
+    if (!FULL && n >= nj) break;
     const uint4 x = rec(8 * n + g)[h16::kRecXs + t];
     const uint2 x2 = reinterpret_cast<const uint2*>(reinterpret_cast<const float*>(rec(8 * n + g)) + h16::kRecXs2)[t];
     const float2 ti = make_float2(reinterpret_cast<const float*>(rec(8 * n + 2 * t))[h16::kRecInv],
@@ -210,17 +216,37 @@ __device__ __forceinline__ void stage_q6k_h(const uint8_t* Ws, const uint8_t* ac
             A[i][2] = h16::hsub2_u(h16::magic_pair(w[0] >> 8, 0x003F003Fu), 0x64206420u);
             A[i][3] = h16::hsub2_u(h16::magic_pair(w[1] >> 8, 0x003F003Fu), 0x64206420u);
           }
+          // Tiles in groups of NG: each tile's lo part, then the hi parts, then the scale (independent
+          // MMAs side by side; NG bounds the live accumulators).
+          constexpr int NG = S::NJ < 2 ? S::NJ : 2;
 #pragma unroll
-          for (int n = 0; n < S::NJ; ++n) {
-            if (n >= nj) break;
-            const uint4 b = bh[h16::bh_index(8 * n + g, st, j, t)];
+          for (int n0 = 0; n0 < S::NJ; n0 += NG) {
+            if (n0 >= nj) break;
+            uint4 b[NG];
+            float D[S::MT][NG][4];
 #pragma unroll
-            for (int i = 0; i < S::MT; ++i) {
-              float D[4] = {0.f, 0.f, 0.f, 0.f};
-              h16::mma_f16(D, A[i], b.z, b.w);
-              h16::mma_f16(D, A[i], b.x, b.y);
+            for (int u = 0; u < NG; ++u) {
+              if (n0 + u < nj) b[u] = bh[h16::bh_index(8 * (n0 + u) + g, st, j, t)];
 #pragma unroll
-              for (int e = 0; e < 4; ++e) Ds[i][n][e] = fma_rn(sc[i][e >> 1], D[e], Ds[i][n][e]);
+              for (int i = 0; i < S::MT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) D[i][u][e] = 0.f;
+            }
+#pragma unroll
+            for (int p = 0; p < 2; ++p)
+#pragma unroll
+              for (int u = 0; u < NG; ++u) {
+                if (n0 + u >= nj) break;
+#pragma unroll
+                for (int i = 0; i < S::MT; ++i) h16::mma_f16(D[i][u], A[i], p ? b[u].x : b[u].z, p ? b[u].y : b[u].w);
+              }
+#pragma unroll
+            for (int u = 0; u < NG; ++u) {
+              if (n0 + u >= nj) break;
+#pragma unroll
+              for (int i = 0; i < S::MT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) Ds[i][n0 + u][e] = fma_rn(sc[i][e >> 1], D[i][u][e], Ds[i][n0 + u][e]);
             }
           }
         }
