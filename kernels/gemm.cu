@@ -53,7 +53,7 @@ cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y
 
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
                                    const int* offset, const int32_t* token_of_slot, int n_expert, int max_count,
-                                   float* act, cudaStream_t s, const void* hh) {
+                                   float* act, cudaStream_t s, const void* hh, int* ticket) {
   GemmArgs a{};
   a.W = G;
   a.W2 = U;
@@ -68,13 +68,14 @@ cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, i
   a.offset = offset;
   a.n_expert = n_expert;
   a.XH = static_cast<const uint4*>(hh);
+  a.ticket = ticket;
   if (G.type == U.type && is_i8_type(G.type) && n_expert <= kMaxItemExperts && i8_enabled())
     return gemm_i8(GemmOp::gate_up, a, max_count, s);
   return gemm_float(GemmOp::gate_up, a, max_count, s);
 }
 
 cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
-                                int max_count, float* out, cudaStream_t s, const void* acth) {
+                                int max_count, float* out, cudaStream_t s, const void* acth, int* ticket) {
   GemmArgs a{};
   a.W = D;
   set_geometry(D, a.be, a.bb);
@@ -86,6 +87,7 @@ cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count
   a.offset = offset;
   a.n_expert = n_expert;
   a.XH = static_cast<const uint4*>(acth);
+  a.ticket = ticket;
   if (is_i8_type(D.type) && n_expert <= kMaxItemExperts && i8_enabled()) return gemm_i8(GemmOp::down, a, max_count, s);
   return gemm_float(GemmOp::down, a, max_count, s);
 }

@@ -24,6 +24,7 @@ struct GemmArgs {
   int n_expert;           // grouped
   const int* offset;
   const uint4* XH;        // X split for the fp16 path (split_h16; nullptr: the integer path)
+  int* ticket;            // grouped K-quant path: a zeroed counter for the dynamic item walk (nullptr: static)
 };
 
 // The types of the integer path.

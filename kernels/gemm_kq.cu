@@ -45,8 +45,10 @@
 // (double buffered; codes are unpacked in registers after ldmatrix). The fp32 activations land by
 // cp.async in each thread's own slots two stages ahead and are quantized into the B-fragment
 // layout one stage ahead (double buffered), so one barrier per stage separates the three. Blocks
-// are persistent: each walks the list of (expert, row tile, token tile) items with a stride of the
-// grid, and the pipeline runs across item boundaries (the expert down projection has only three
+// are persistent: each walks the list of (expert, row tile, token tile) items, with a stride of the
+// grid or (grouped, GemmArgs::ticket) drawing its next item from a counter shared by the grid (the
+// items' costs differ with their token counts: with fixed shares ~15 % of the SM time was idle at
+// the end), and the pipeline runs across item boundaries (the expert down projection has only three
 // stages per item). Shared memory (ISmem): 162-210 KB per block for the shapes of one block per
 // SM (Q4_K-Q6_K; 6 KB more for the grouped item table), 106-112 KB for ISmall. The fp16 path
 // (HSmem) has no landing area: two stages of weight rows and of records, 150-198 KB (ISmall ~100).
@@ -100,6 +102,7 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
   int* pre = reinterpret_cast<int*>(abuf + 2 * M::ACT + M::LAND);  // items before expert e
   int* cnt_e = pre + n_e + 1;
   int* off_e = cnt_e + n_e;
+  int* ring = off_e + n_e;  // dynamic walk: the item of a block's i-th, at ring[i & 3]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row_tiles = (a.W.rows + S::BM - 1) / S::BM, n_k = a.W.cols / KS;
 
@@ -129,12 +132,28 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
   }
   __syncthreads();
   const int total = pre[n_e];
-  const int mine = total > static_cast<int>(blockIdx.x) ? (total - 1 - static_cast<int>(blockIdx.x)) / gridDim.x + 1 : 0;
-  const int n_st = mine * n_k;  // this block's stages, item by item
-  if (n_st == 0) return;
+  if (static_cast<int>(blockIdx.x) >= total) return;
+  // A block's items: its first is blockIdx.x; then, statically, every gridDim.x-th, or (dynamic walk,
+  // a.ticket) the next of a counter that all blocks draw from (items differ in cost with their token
+  // count: a static share leaves SMs idle at the end). Item i's place in the walk, and whether it exists:
+  const bool dyn = a.ticket != nullptr;
+  auto walk_of = [&](int i) { return dyn ? ring[i & 3] : static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x); };
+  // Stages are issued LEAD ahead of their products (the integer path's activations two), so the dynamic
+  // walk draws item i >= 1 at the top of iteration i n_k - LEAD - 1 (before the loop when that is
+  // negative) and the iteration's closing barrier publishes it before stage i n_k is first issued;
+  // at iteration s the ring holds the items of stages s .. s + LEAD + 1 (at most 4).
+  constexpr int LEAD = H ? 1 : 2;
+  auto draw = [&](int i) {
+    if (tid == 0) ring[i & 3] = static_cast<int>(gridDim.x) + atomicAdd(a.ticket, 1);
+  };
+  if (dyn) {
+    if (tid == 0) ring[0] = static_cast<int>(blockIdx.x);
+    for (int i = 1; i * n_k <= LEAD; ++i) draw(i);
+    __syncthreads();
+  }
 
   auto item_of = [&](int i) {
-    const int w = blockIdx.x + i * gridDim.x;
+    const int w = walk_of(i);
     int lo = 0, hi = n_e - 1;  // the last expert starting at or before w (never an empty one)
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
@@ -272,7 +291,7 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
     cp_async_commit();
     cp_async_wait<0>();
     quant_x(0);
-    if (n_st > 1) {
+    if (walk_of(cx.i) < total) {  // stage 1 exists
       issue_x(cx);
       cx.next(n_k);
     }
@@ -282,8 +301,10 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
 
   int ci = -1;
   Item cit{};
-  for (int s = 0; s < n_st; ++s) {
-    if (s + 1 < n_st) {
+  for (int s = 0;; ++s) {
+    if (dyn && (s + LEAD + 1) % n_k == 0) draw((s + LEAD + 1) / n_k);
+    const bool more = walk_of(cw.i) < total;  // stage s + 1 exists (cw: its cursor)
+    if (more) {
       issue_w(s + 1, cw);
       cw.next(n_k);
       if constexpr (H) {
@@ -294,8 +315,8 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
     cp_async_commit();
     if constexpr (!H) {
       cp_async_wait<1>();  // X(s + 1)
-      if (s + 1 < n_st) quant_x(s + 1);
-      if (s + 2 < n_st) {
+      if (more) quant_x(s + 1);
+      if (walk_of(cx.i) < total) {  // stage s + 2 exists
         issue_x(cx);
         cx.next(n_k);
       }
@@ -344,6 +365,7 @@ __global__ void __launch_bounds__(S::THREADS, S::MIN_BLOCKS) igemm_kernel(GemmAr
           for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.f;
     }
     cs.next(n_k);
+    if (!more) break;
     if constexpr (H) cp_async_wait<0>();  // W(s + 1), X(s + 1)
     else cp_async_wait<1>();              // W(s + 1)
     __syncthreads();

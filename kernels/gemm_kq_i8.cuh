@@ -16,7 +16,7 @@ using namespace dev::i8;
 
 // Shared memory of shape S and type T: two stages of weight rows, two of staged activations (digit
 // B registers, slice scales, for the minimums the slice sums), the activations' landing area, then
-// the item table (3 (n_e + 1) ints).
+// the item table (3 n_e + 1 ints) and the dynamic walk's ring of 4 items.
 template <class S, uint32_t T>
 struct ISmem {
   using Q = QT<T>;
@@ -32,7 +32,7 @@ struct ISmem {
   static constexpr size_t ACT = BQ + BC + TS + XS;
   static constexpr size_t LAND = S::BN * 1024;
   static constexpr size_t FIXED = 2 * W + 2 * ACT + LAND;
-  static constexpr size_t bytes(int n_e) { return FIXED + (12 * static_cast<size_t>(n_e + 1) + 15) / 16 * 16; }
+  static constexpr size_t bytes(int n_e) { return FIXED + (4 * (3 * static_cast<size_t>(n_e) + 1) + 16 + 15) / 16 * 16; }
   // The largest launch: the full item table (grouped) or one entry (dense).
   static constexpr size_t MAX = bytes(S::GROUPED ? 512 : 1);
   // sm_90: 227 KB per block, 228 KB per SM with 1 KB reserved per block.

@@ -273,12 +273,15 @@ cudaError_t group_by_expert(const int32_t* ids, int n_tok, int n_used, int n_exp
                             int32_t* token_of_slot, int32_t* slot_of, cudaStream_t s);
 // act[slot][r] = silu(G_e.row(r)·h[token_of_slot[slot]]) * (U_e.row(r)·h[...]) for every slot of
 // every expert e (tiles of experts with fewer tokens exit at once; max_count bounds the tile grid).
+// ticket: a device int, zero, for the K-quant path's dynamic work walk (the call leaves it counted: one
+// per call); nullptr: each block takes a fixed share of the tiles.
 cudaError_t expert_gate_up_grouped(const Mat& G, const Mat& U, const float* h, int h_stride, const int* count,
                                    const int* offset, const int32_t* token_of_slot, int n_expert, int max_count,
-                                   float* act, cudaStream_t s, const void* hh = nullptr);
-// out[slot][r] = D_e.row(r)·act[slot].
+                                   float* act, cudaStream_t s, const void* hh = nullptr, int* ticket = nullptr);
+// out[slot][r] = D_e.row(r)·act[slot]. ticket as above.
 cudaError_t expert_down_grouped(const Mat& D, const float* act, const int* count, const int* offset, int n_expert,
-                                int max_count, float* out, cudaStream_t s, const void* acth = nullptr);
+                                int max_count, float* out, cudaStream_t s, const void* acth = nullptr,
+                                int* ticket = nullptr);
 // x[t] += Σ_j weights[t][j] * out[slot_of[t][j]] (j in rank order).
 cudaError_t combine_experts(const float* out, const int32_t* slot_of, const float* weights, int n_tok, int n_used,
                             int cols, float* x, cudaStream_t s);

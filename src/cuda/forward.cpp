@@ -270,6 +270,11 @@ class CudaForward final : public Forward {
   // MOE_CUDA_PREFILL_OVERLAP=1: the prefill's V GEMM on a second stream next to K and Q. Off by default:
   // +2.6 % pp512, but once a second stream had run work the decode graph on stream_ ran ~2.5 % slower
   // (CLI 361.6-362.4 vs 369.2-373.3 tok/s without any second stream, alternating in one call).
+  // MOE_CUDA_GEMM_DYN=0: the prefill's expert GEMMs give each block a fixed share of their tiles.
+  static bool gemm_dynamic() {
+    static const bool on = k::env_switch("MOE_CUDA_GEMM_DYN", true);
+    return on;
+  }
   static bool prefill_overlap() {
     static const bool on = k::env_switch("MOE_CUDA_PREFILL_OVERLAP", false);
     return on;
@@ -339,6 +344,7 @@ class CudaForward final : public Forward {
         std::max({k::split_h16_bytes(static_cast<int>(B), static_cast<int>(E)),  // a prefill GEMM's split
                   k::split_h16_bytes(static_cast<int>(B), static_cast<int>(Q)),  // input (h, o or act)
                   k::split_h16_bytes(static_cast<int>(B * K), static_cast<int>(F))}),
+        c_.n_layer * 2 * 4,                                   // the expert GEMMs' work tickets (prefill)
     };
   }
   uint64_t scratch_bytes() const {
@@ -484,6 +490,7 @@ class CudaForward final : public Forward {
     racc_.acc = reinterpret_cast<long long*>(p[21]);
     racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
     split_ = p[22];
+    tickets_ = reinterpret_cast<int*>(p[23]);
     check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
     for (cudaEvent_t& e : step_done_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "upload failed");
     chain_ = k::env_switch("MOE_CUDA_CHAIN", true);
@@ -734,6 +741,9 @@ class CudaForward final : public Forward {
     check_step(k::embed_rows(embd_, prefill_ids_, n, x_, stream_));
     check_step(k::rope_table(prefill_pos_, n, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_));  // every layer's
     const int F = static_cast<int>(c_.expert_ffn);
+    // Each layer's two expert GEMMs walk their work by a ticket (k::expert_gate_up_grouped), zero at the start.
+    int* tickets = gemm_dynamic() ? tickets_ : nullptr;
+    if (tickets) check_step(cudaMemsetAsync(tickets, 0, layers_.size() * 2 * sizeof(int), stream_));
     // The input of a layer's Q4_K/Q5_K GEMMs split once for their fp16 path (k::split_h16), or nullptr.
     auto split = [&](bool wanted, const float* in, int rows, int cols) -> const void* {
       if (!wanted) return nullptr;
@@ -769,9 +779,10 @@ class CudaForward final : public Forward {
       check_step(k::topk_rows(router_logits_, n, X, K, ids_, wts_, stream_));
       check_step(k::group_by_expert(ids_, n, K, X, count_, offset_, token_of_slot_, slot_of_, stream_));
       check_step(k::expert_gate_up_grouped(L.gate, L.up, h_, E, count_, offset_, token_of_slot_, X, n, act_, stream_,
-                                           split(k::split_h16_wanted(L.gate), h_, n, E)));
+                                           split(k::split_h16_wanted(L.gate), h_, n, E), tickets ? tickets + 2 * l : nullptr));
       check_step(k::expert_down_grouped(L.down, act_, count_, offset_, X, n, expert_out_, stream_,
-                                        split(k::split_h16_wanted(L.down), act_, n * K, F)));
+                                        split(k::split_h16_wanted(L.down), act_, n * K, F),
+                                        tickets ? tickets + 2 * l + 1 : nullptr));
       check_step(k::combine_experts(expert_out_, slot_of_, wts_, n, K, E, x_, stream_));
     }
     float* logits = static_cast<float*>(logits_.ptr);
@@ -826,6 +837,7 @@ class CudaForward final : public Forward {
   std::vector<DevLayer> layers_;
 
   float *x_ = nullptr, *h_ = nullptr, *qkv_ = nullptr, *o_ = nullptr, *router_logits_ = nullptr, *wts_ = nullptr;
+  int* tickets_ = nullptr;  // two per layer: the prefill's expert GEMMs' dynamic walk
   int32_t *ids_ = nullptr, *token_of_slot_ = nullptr, *slot_of_ = nullptr, *prefill_ids_ = nullptr;
   int *count_ = nullptr, *offset_ = nullptr, *counters_ = nullptr;
   float *act_ = nullptr, *expert_out_ = nullptr, *argmax_scratch_ = nullptr, *partials_ = nullptr, *route_logits_ = nullptr;

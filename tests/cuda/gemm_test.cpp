@@ -986,4 +986,68 @@ TEST(CudaGemm, IntegerGroupedExpertsUnevenCounts) {
     }
 }
 
+// The dynamic work walk (a ticket per call) against the static one: every tile is computed by one
+// block with the same code whichever block draws it, so the outputs must be the same bits. Enough
+// experts (96, ~12 tokens each) that both products have ~1.5 times as many tiles as an H200 has
+// SMs, so blocks draw items; down has one super-block per row (n_k = 1: an item per stage,
+// the draws' earliest case) and gate/up two. The ticket ends past the item count.
+TEST(CudaGemm, GroupedDynamicWalkSameBitsAsStatic) {
+  REQUIRE_GPU();
+  const uint64_t seed = gpu_test::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 512, F = 256, X = 96, K = 4, T = 300;
+  std::vector<int32_t> ids(T * K);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> all(X);
+    for (int e = 0; e < X; ++e) all[e] = e;
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int j = 0; j < K; ++j) ids[t * K + j] = all[j];
+  }
+  struct Types {
+    Type gate_up, down;
+  };
+  for (const Types ty : {Types{Type::Q4_K, Type::Q6_K}, Types{Type::Q5_K, Type::Q4_K}})
+    for (bool split : {false, true}) {
+      const std::string name = std::string(split ? "fp16 " : "") + "gate/up " + moe::gguf::type_name(ty.gate_up) +
+                               ", down " + moe::gguf::type_name(ty.down);
+      SCOPED_TRACE(name);
+      QMatrix G(ty.gate_up, X * F, E, rng), U(ty.gate_up, X * F, E, rng), D(ty.down, X * E, F, rng);
+      const std::vector<float> h = make_x(Dist::Gauss, T, E, rng);
+      Dev<float> dh(h), act(T * K * F), act2(T * K * F), dout(T * K * E), dout2(T * K * E);
+      Dev<int32_t> di(ids), tos(T * K), slot(T * K);
+      Dev<int> count(X), offset(X), ticket(std::vector<int>{0, 0});
+      const bool split_gu = split && k::split_h16_wanted(G.mat(F)), split_dn = split && k::split_h16_wanted(D.mat(E));
+      Dev<uint8_t> hh(split_gu ? k::split_h16_bytes(T, E) : 1), acth(split_dn ? k::split_h16_bytes(T * K, F) : 1);
+      ok(k::group_by_expert(di.p, T, K, X, count.p, offset.p, tos.p, slot.p, nullptr));
+      if (split_gu) ok(k::split_h16(dh.p, E, T, E, hh.p, nullptr));
+      ok(k::expert_gate_up_grouped(G.mat(F), U.mat(F), dh.p, E, count.p, offset.p, tos.p, X, T, act.p, nullptr,
+                                   split_gu ? hh.p : nullptr));
+      ok(k::expert_gate_up_grouped(G.mat(F), U.mat(F), dh.p, E, count.p, offset.p, tos.p, X, T, act2.p, nullptr,
+                                   split_gu ? hh.p : nullptr, ticket.p));
+      if (split_dn) ok(k::split_h16(act.p, F, T * K, F, acth.p, nullptr));
+      ok(k::expert_down_grouped(D.mat(E), act.p, count.p, offset.p, X, T, dout.p, nullptr, split_dn ? acth.p : nullptr));
+      ok(k::expert_down_grouped(D.mat(E), act.p, count.p, offset.p, X, T, dout2.p, nullptr, split_dn ? acth.p : nullptr,
+                                ticket.p + 1));
+      ok(cudaDeviceSynchronize());
+      const std::vector<int> cnt = count.get(), tk = ticket.get();
+      int tiles = 0, sms = 0;
+      for (int c : cnt) tiles += (c + 31) / 32;
+      ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      // Each product has 2 row tiles per token tile; its grid is at most one block per SM here, and
+      // every block that drew stops at its first draw past the items (a few more when n_k is small).
+      for (int p = 0; p < 2; ++p) {
+        EXPECT_GE(tk[p], 2 * tiles - sms) << "product " << p << ": fewer draws than items past the first wave";
+        EXPECT_LE(tk[p], 2 * tiles + 3 * sms) << "product " << p;
+      }
+      const std::vector<float> a1 = act.get(), a2 = act2.get(), y1 = dout.get(), y2 = dout2.get();
+      int bad_a = 0, bad_y = 0;
+      for (size_t i = 0; i < a1.size(); ++i) bad_a += std::memcmp(&a1[i], &a2[i], 4) != 0;
+      for (size_t i = 0; i < y1.size(); ++i) bad_y += std::memcmp(&y1[i], &y2[i], 4) != 0;
+      EXPECT_EQ(bad_a, 0) << "gate/up outputs differing between the walks";
+      EXPECT_EQ(bad_y, 0) << "down outputs differing between the walks";
+      EXPECT_TRUE(std::isfinite(a1[0]) && std::isfinite(y1[0]));
+    }
+}
+
 }  // namespace
