@@ -311,8 +311,17 @@ MOE_HD TokScale token_scale(uint32_t amax_bits) {
 // The magic pairs of one code word (four bytes, columns 4t..4t+3): bits `mask` of bytes 0 and 2
 // (or 1 and 3 after w >> 8) under the fp16 exponent of 1024, i.e. the halves 1024 + code (mask
 // 0x000F000F / 0x001F001F) or 1024 + 16 code (0x00F000F0, Q4_K's high nibbles); subtracting
-// 1024 + o (or 1024 + 16 o) is exact.
-MOE_HD uint32_t magic_pair(uint32_t w, uint32_t mask) { return (w & mask) | 0x64006400u; }
+// 1024 + o (or 1024 + 16 o) is exact. On the device one lop3 (written out: the compiler's and + or
+// took two, the exponent pair then lives in a register).
+MOE_HD uint32_t magic_pair(uint32_t w, uint32_t mask) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "r"(mask), "r"(0x64006400u));  // (a & b) | c
+  return d;
+#else
+  return (w & mask) | 0x64006400u;
+#endif
+}
 // Byte b of w (a 6-bit scale) under the exponent of 1024, twice: the half2 (1024 + sc, 1024 + sc)
 // (one byte permutation on the device).
 MOE_HD uint32_t magic_scale2(uint32_t w, int b) {
