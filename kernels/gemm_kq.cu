@@ -442,6 +442,14 @@ cudaError_t split_h16(const float* X, int x_stride, int rows, int cols, void* ou
   return cudaGetLastError();
 }
 
+cudaError_t rmsnorm_split_h16(const float* x, const float* w, int n, int cols, int stride, float eps, float* out,
+                              void* rec, cudaStream_t s) {
+  if (n <= 0) return cudaSuccess;
+  if (cols % KS != 0 || stride % 4 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) return cudaErrorInvalidValue;
+  rmsnorm_split_kernel<<<n, 256, 0, s>>>(x, w, cols, stride, eps, out, static_cast<uint4*>(rec));
+  return cudaGetLastError();
+}
+
 cudaError_t gemm_i8(GemmOp op, const GemmArgs& a, int n, cudaStream_t s) {
   switch (op) {
     case GemmOp::dense: {

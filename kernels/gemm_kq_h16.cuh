@@ -318,5 +318,28 @@ __global__ void __launch_bounds__(256) split_h16_kernel(const float* X, int x_st
   split_record(out + w * h16::kRec4, x);
 }
 
+// rmsnorm_rows's output (same floats: same loop and block sum) and its split records, one row per
+// block of 256 threads; warp w splits super-blocks w, w + 8, ... of the row from the written output
+// (visible to the block after the barrier).
+__global__ void __launch_bounds__(256) rmsnorm_split_kernel(const float* x, const float* w, int cols, int stride, float eps,
+                                                            float* out, uint4* rec) {
+  __shared__ float red[32];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * stride;
+  float* o = out + static_cast<int64_t>(blockIdx.x) * stride;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  const float scale = rsqrtf(ss / static_cast<float>(cols) + eps);
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+  __syncthreads();
+  const int n_sb = cols / KS, lane = threadIdx.x & 31;
+  for (int sb = threadIdx.x >> 5; sb < n_sb; sb += blockDim.x >> 5) {
+    const float* src = o + sb * KS + 32 * (lane >> 2) + 4 * (lane & 3);
+    const float4 v0 = *reinterpret_cast<const float4*>(src), v1 = *reinterpret_cast<const float4*>(src + 16);
+    const float xv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    split_record(rec + (static_cast<int64_t>(blockIdx.x) * n_sb + sb) * h16::kRec4, xv);
+  }
+}
+
 }  // namespace
 }  // namespace moe::cuda::k

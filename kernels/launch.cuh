@@ -264,6 +264,9 @@ cudaError_t gemm(const Mat& W, const float* X, int x_stride, int n_tok, float* Y
 bool split_h16_wanted(const Mat& W);
 size_t split_h16_bytes(int rows, int cols);
 cudaError_t split_h16(const float* X, int x_stride, int rows, int cols, void* out, cudaStream_t s);
+// rmsnorm_rows (the same floats in out) and split_h16 of its output into rec, in one launch.
+cudaError_t rmsnorm_split_h16(const float* x, const float* w, int n, int cols, int stride, float eps, float* out,
+                              void* rec, cudaStream_t s);
 // Per token: softmax over the router logits, top n_used, renormalised weights.
 cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,
                       cudaStream_t s);

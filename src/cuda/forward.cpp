@@ -750,10 +750,18 @@ class CudaForward final : public Forward {
       check_step(k::split_h16(in, cols, rows, cols, split_, stream_));
       return split_;
     };
+    // h = rmsnorm(x) * w, with its split when a GEMM that reads h wants one (one launch: k::rmsnorm_split_h16).
+    auto norm = [&](const float* w, bool wanted) -> const void* {
+      if (!wanted) {
+        check_step(k::rmsnorm_rows(x_, w, n, E, E, eps, h_, stream_));
+        return nullptr;
+      }
+      check_step(k::rmsnorm_split_h16(x_, w, n, E, E, eps, h_, split_, stream_));
+      return split_;
+    };
     for (size_t l = 0; l < layers_.size(); ++l) {
       const DevLayer& L = layers_[l];
-      check_step(k::rmsnorm_rows(x_, L.attn_norm, n, E, E, eps, h_, stream_));
-      const void* hs = split(k::split_h16_wanted(L.q) || k::split_h16_wanted(L.k) || k::split_h16_wanted(L.v), h_, n, E);
+      const void* hs = norm(L.attn_norm, k::split_h16_wanted(L.q) || k::split_h16_wanted(L.k) || k::split_h16_wanted(L.v));
       if (prefill_overlap() && side_stream()) {
         // V on the side stream next to K: at prefill sizes each is a small GEMM that leaves most of
         // the GPU idle (latency-bound); Q follows K, the attention waits for both
@@ -774,12 +782,13 @@ class CudaForward final : public Forward {
       check_step(k::attention(qkv_, qkv_stride, n, prefill_pos_, k_cache(l), v_cache(l), c_.n_head, c_.n_head_kv,
                               c_.head_dim, o_, stream_));
       check_step(k::gemm(L.o, o_, Q, n, x_, E, true, stream_, split(k::split_h16_wanted(L.o), o_, n, Q)));
-      check_step(k::rmsnorm_rows(x_, L.ffn_norm, n, E, E, eps, h_, stream_));
+      // h's split stays in the split buffer for gate/up (the router, top-k and grouping read none).
+      const void* hf = norm(L.ffn_norm, k::split_h16_wanted(L.gate));
       check_step(k::gemm(L.router, h_, E, n, router_logits_, X, false, stream_));
       check_step(k::topk_rows(router_logits_, n, X, K, ids_, wts_, stream_));
       check_step(k::group_by_expert(ids_, n, K, X, count_, offset_, token_of_slot_, slot_of_, stream_));
-      check_step(k::expert_gate_up_grouped(L.gate, L.up, h_, E, count_, offset_, token_of_slot_, X, n, act_, stream_,
-                                           split(k::split_h16_wanted(L.gate), h_, n, E), tickets ? tickets + 2 * l : nullptr));
+      check_step(k::expert_gate_up_grouped(L.gate, L.up, h_, E, count_, offset_, token_of_slot_, X, n, act_, stream_, hf,
+                                           tickets ? tickets + 2 * l : nullptr));
       check_step(k::expert_down_grouped(L.down, act_, count_, offset_, X, n, expert_out_, stream_,
                                         split(k::split_h16_wanted(L.down), act_, n * K, F),
                                         tickets ? tickets + 2 * l + 1 : nullptr));

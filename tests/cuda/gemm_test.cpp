@@ -1050,4 +1050,38 @@ TEST(CudaGemm, GroupedDynamicWalkSameBitsAsStatic) {
     }
 }
 
+// rmsnorm_split_h16 (the prefill's norm and split in one launch) against rmsnorm_rows then split_h16:
+// the same bits in both outputs, for one and for several super-blocks per warp (cols 768: three
+// warps idle; 2,304 = nine super-blocks over eight warps), rows with a stride past cols.
+TEST(CudaGemm, RmsnormSplitSameBitsAsTwoKernels) {
+  REQUIRE_GPU();
+  const uint64_t seed = gpu_test::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const int cols : {768, 2048, 2304}) {
+    SCOPED_TRACE(cols);
+    const int rows = 37, stride = cols + 12;
+    const std::vector<float> x = make_x(Dist::Outliers, rows, stride, rng), w = make_x(Dist::Gauss, 1, cols, rng);
+    Dev<float> dx(x), dw(w), h1(static_cast<size_t>(rows) * stride), h2(static_cast<size_t>(rows) * stride);
+    const size_t rb = k::split_h16_bytes(rows, cols);
+    Dev<uint8_t> r1(rb), r2(rb);
+    ok(k::rmsnorm_rows(dx.p, dw.p, rows, cols, stride, 1e-6f, h1.p, nullptr));
+    ok(k::split_h16(h1.p, stride, rows, cols, r1.p, nullptr));
+    ok(k::rmsnorm_split_h16(dx.p, dw.p, rows, cols, stride, 1e-6f, h2.p, r2.p, nullptr));
+    ok(cudaDeviceSynchronize());
+    const std::vector<float> a = h1.get(), b = h2.get();
+    const std::vector<uint8_t> ra = r1.get(), rbv = r2.get();
+    int bad = 0;
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) bad += std::memcmp(&a[r * stride + c], &b[r * stride + c], 4) != 0;
+    EXPECT_EQ(bad, 0) << "normed floats differing";
+    EXPECT_EQ(ra, rbv) << "split records differing";
+    EXPECT_TRUE(std::isfinite(b[0]));
+  }
+  // A column count the records cannot hold is refused, not run.
+  Dev<float> x(64 * 300), o(64 * 300);
+  Dev<uint8_t> r(1024);
+  EXPECT_EQ(k::rmsnorm_split_h16(x.p, x.p, 2, 300, 300, 1e-6f, o.p, r.p, nullptr), cudaErrorInvalidValue);
+}
+
 }  // namespace
