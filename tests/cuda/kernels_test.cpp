@@ -700,6 +700,12 @@ TEST(CudaKernels, QkNormRopeStoreAndAttentionMatchTwin) {
         }
     }
   }
+  // A head size whose RoPE pairs do not fill whole warps is refused, not run.
+  Dev<float> q(64 * 96);
+  Dev<int32_t> pos(std::vector<int32_t>{0});
+  Dev<uint16_t> kc(64 * 96);
+  EXPECT_EQ(k::qk_norm_rope_store(q.p, 1, pos.p, q.p, q.p, 2, 1, 96, 1e-6f, moe::cuda::k::Rope{}, kc.p, kc.p, nullptr, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // The prefill attention over every group size, head size, a fresh cache and one holding a past, token
