@@ -158,6 +158,16 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return warp_sum(t);
 }
 
+// The prefill's RMSNorm of one row by the whole block: o[i] = xr[i] * rsqrt(mean(xr^2) + eps) * w[i]
+// (rmsnorm_rows; rmsnorm_split_h16 adds the split of the written row).
+__device__ __forceinline__ void rmsnorm_row(const float* xr, const float* w, int cols, float eps, float* o, float* red) {
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  const float scale = rsqrtf(ss / static_cast<float>(cols) + eps);
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+}
+
 // Loads n floats of x into swizzled shared memory, optionally as rmsnorm(x) * w.
 __device__ __forceinline__ void load_act(const float* __restrict__ x, int n, const float* __restrict__ norm_w,
                                          float eps, float* xs, float* red) {

@@ -324,13 +324,8 @@ __global__ void __launch_bounds__(256) split_h16_kernel(const float* X, int x_st
 __global__ void __launch_bounds__(256) rmsnorm_split_kernel(const float* x, const float* w, int cols, int stride, float eps,
                                                             float* out, uint4* rec) {
   __shared__ float red[32];
-  const float* xr = x + static_cast<int64_t>(blockIdx.x) * stride;
   float* o = out + static_cast<int64_t>(blockIdx.x) * stride;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, red);
-  const float scale = rsqrtf(ss / static_cast<float>(cols) + eps);
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+  rmsnorm_row(x + static_cast<int64_t>(blockIdx.x) * stride, w, cols, eps, o, red);
   __syncthreads();
   const int n_sb = cols / KS, lane = threadIdx.x & 31;
   for (int sb = threadIdx.x >> 5; sb < n_sb; sb += blockDim.x >> 5) {

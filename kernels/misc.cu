@@ -28,13 +28,8 @@ __global__ void embed_kernel(Mat W, const int32_t* ids, float* out) {
 
 __global__ void rmsnorm_kernel(const float* x, const float* w, int cols, int stride, float eps, float* out) {
   __shared__ float red[32];
-  const float* xr = x + static_cast<int64_t>(blockIdx.x) * stride;
-  float* o = out + static_cast<int64_t>(blockIdx.x) * stride;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, red);
-  const float scale = rsqrtf(ss / static_cast<float>(cols) + eps);
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+  rmsnorm_row(x + static_cast<int64_t>(blockIdx.x) * stride, w, cols, eps, out + static_cast<int64_t>(blockIdx.x) * stride,
+              red);
 }
 
 __device__ __forceinline__ void argmax_merge(float& best, int& idx, float ov, int oi) {

@@ -914,8 +914,9 @@ TEST(CudaGemm, IntegerDenseWideTilesAccumulate) {
 }
 
 // Grouped experts with uneven loads: expert 0 gets no token, expert 1 one, expert 2 seventy (three
-// token tiles), the others a few each, over 40 experts (more items than blocks on any GPU). Gate/up
-// and down are each checked on their own: down against the device's act (silu(g) * u: heavy tailed).
+// token tiles), the others a few each, over 40 experts (~80 items per product: on an H200 each block
+// takes at most one; GroupedDynamicWalkSameBitsAsStatic has blocks walk several). Gate/up and down are
+// each checked on their own: down against the device's act (silu(g) * u: heavy tailed).
 TEST(CudaGemm, IntegerGroupedExpertsUnevenCounts) {
   REQUIRE_GPU();
   const uint64_t seed = gpu_test::fresh_seed();
