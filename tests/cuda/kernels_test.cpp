@@ -1,7 +1,9 @@
 // Each CUDA kernel against its CPU twin on fresh random inputs (outputs poisoned with NaN first,
 // odd sizes). The twins use quant::dequantize_row for the weights and double-precision sums.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 
 #include "gpu.hpp"
@@ -593,6 +595,39 @@ TEST(CudaKernels, GroupedExpertGemmsMatchPerTokenTwin) {
     for (int r = 0; r < E; ++r)
       EXPECT_NEAR(y[t * E + r], x[t * E + r] + s[r], 1e-4 * (sa[r] + std::fabs(x[t * E + r])) + 1e-5)
           << "token " << t << " row " << r;
+  }
+}
+
+// combine_experts against its twin, exactly: x[t] += Σ_j w_j out[slot_j] with fmaf from zero in rank
+// order, then one add (the same float operations: the same bits), for the four-column path (2,048) and
+// the scalar one (cols not a multiple of 4), slots in scattered order.
+TEST(CudaKernels, CombineExpertsExactTwin) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const int cols : {2048, 257}) {
+    SCOPED_TRACE(cols);
+    const int T = 37, K = 8;
+    std::vector<int32_t> slot(T * K);
+    for (int i = 0; i < T * K; ++i) slot[i] = i;
+    std::shuffle(slot.begin(), slot.end(), rng);
+    const std::vector<float> out = randn(static_cast<size_t>(T) * K * cols, rng), w = randn(T * K, rng),
+                             x = randn(static_cast<size_t>(T) * cols, rng);
+    Dev<float> dout(out), dw(w), dx(x);
+    Dev<int32_t> ds(slot);
+    ok(k::combine_experts(dout.p, ds.p, dw.p, T, K, cols, dx.p, nullptr));
+    ok(cudaDeviceSynchronize());
+    const std::vector<float> y = dx.get();
+    int bad = 0;
+    for (int t = 0; t < T; ++t)
+      for (int d = 0; d < cols; ++d) {
+        float acc = 0.f;
+        for (int j = 0; j < K; ++j) acc = std::fmaf(w[t * K + j], out[static_cast<size_t>(slot[t * K + j]) * cols + d], acc);
+        const float want = x[static_cast<size_t>(t) * cols + d] + acc;
+        bad += std::memcmp(&want, &y[static_cast<size_t>(t) * cols + d], 4) != 0;
+      }
+    EXPECT_EQ(bad, 0) << "elements differing from the twin";
   }
 }
 
