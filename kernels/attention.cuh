@@ -239,6 +239,86 @@ constexpr int dec_wacc_floats(int G, int HD) {
 constexpr int dec_smem_floats(int G, int HD) { return G * HD + 3 * HD + 2 * kDecWarps * G + dec_wacc_floats(G, HD); }
 static_assert(kDecWarps * 16 >= 2 * kMaxSplit, "the merge's m and L fit in wacc for head_dim >= 16");
 
+// The last slice block's merge of a KV head's n_eff slices (partials at part_base) into out ([G][HD]);
+// fw: shared memory for kMaxSplit * G floats, wl: G.
+template <int HD, int G>
+__device__ __forceinline__ void merge_slices(const float* part_base, float* out, int n_eff, float* fw, float* wl) {
+  constexpr int PS = attention_partial_stride(HD), kWarps = kDecWarps;
+  // out = Σ_s O_s L_s exp(m_s - M) / Σ_s L_s exp(m_s - M) (O_s the slice's normalised output), in
+  // the operations and order of the O projection's merge (stage_load_slices), so that a deferred and a
+  // non-deferred merge give the same floats. A thread takes four dims of one head (one 8-byte load per
+  // slice), its first kMergeBatch slices' loads issued before the weights are known; a warp per head
+  // ranks m_s and chains L_s in registers. (At 4096 positions, 64 slices, the former form, scalar loads
+  // 16 at a time and serial loops over shared memory, took ~10 us per layer after the last slice.)
+  constexpr int kMergeBatch = 16;
+  const int n_items = G * HD / 4;  // at most kWarps * 32 (G <= 8, HD <= 128)
+  const int item = threadIdx.x, mh = item / (HD / 4), md = 4 * (item - mh * (HD / 4));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const __half* mp = reinterpret_cast<const __half*>(part_base + mh * PS) + md;
+  const int64_t mstride = static_cast<int64_t>(G) * PS * 2;  // halves from one slice to the next
+  uint2 mv[kMergeBatch];
+  auto merge_load = [&](int s0) {
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i)
+      if (item < n_items && s0 + i < n_eff)
+        mv[i] = __ldcg(reinterpret_cast<const uint2*>(mp + (s0 + i) * mstride));
+  };
+  merge_load(0);
+  for (int h = warp; h < G; h += kWarps) {
+    float m2[2], l2[2], w2[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // lane holds slices lane and lane + 32 (kMaxSplit = 64)
+      const int s = lane + 32 * u;
+      m2[u] = s < n_eff ? __ldcg(part_base + (s * G + h) * PS + HD / 2) : -INFINITY;
+      l2[u] = s < n_eff ? __ldcg(part_base + (s * G + h) * PS + HD / 2 + 1) : 0.f;
+    }
+    const float M = warp_max(fmaxf(m2[0], m2[1]));
+#pragma unroll
+    for (int u = 0; u < 2; ++u) w2[u] = lane + 32 * u < n_eff ? expf(m2[u] - M) : 0.f;
+    float Ls = 0.f;
+    for (int s = 0; s < n_eff; ++s)
+      Ls = fmaf(__shfl_sync(0xffffffffu, s < 32 ? l2[0] : l2[1], s & 31),
+                __shfl_sync(0xffffffffu, s < 32 ? w2[0] : w2[1], s & 31), Ls);
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      if (lane + 32 * u < n_eff) fw[(lane + 32 * u) * G + h] = w2[u] * l2[u];
+    if (lane == 0) wl[h] = 1.f / Ls;
+  }
+  static_assert(kMaxSplit <= 64, "two slices per lane in the merge's weights");
+  __syncthreads();
+  if (item < n_items) {
+    float4 a[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) a[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int full = n_eff & ~3;  // slices 4i + c to chain c, those past the last full four to chain 0
+    for (int s0 = 0; s0 < n_eff; s0 += kMergeBatch) {
+      if (s0) merge_load(s0);
+#pragma unroll
+      for (int i = 0; i < kMergeBatch; ++i) {
+        const int s = s0 + i;
+        if (s >= n_eff) break;
+        const float ws = fw[s * G + mh];
+        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&mv[i].x));
+        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&mv[i].y));
+        auto add = [&](float4& t) {
+          t.x = fmaf(lo.x, ws, t.x);
+          t.y = fmaf(lo.y, ws, t.y);
+          t.z = fmaf(hi.x, ws, t.z);
+          t.w = fmaf(hi.y, ws, t.w);
+        };
+        if (s < full)  // s0 is a multiple of 4: static chain indices (a runtime index costs selects)
+          add(a[i & 3]);
+        else
+          add(a[0]);
+      }
+    }
+    const float inv = wl[mh];
+    *reinterpret_cast<float4*>(out + mh * HD + md) =
+        make_float4(((a[0].x + a[1].x) + (a[2].x + a[3].x)) * inv, ((a[0].y + a[1].y) + (a[2].y + a[3].y)) * inv,
+                    ((a[0].z + a[1].z) + (a[2].z + a[3].z)) * inv, ((a[0].w + a[1].w) + (a[2].w + a[3].w)) * inv);
+  }
+}
+
 template <int D, int G>
 __device__ __forceinline__ void attention_decode_item(int g, int sp, const float* qkv, const int32_t* pos0,
                                                       const float* q_norm, const float* k_norm, float eps,
@@ -360,53 +440,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   if (!last) return;
   if (threadIdx.x == 0) counters[g] = 0;
   __threadfence();
-  // merge: out = Σ_s O_s L_s exp(m_s - M) / Σ_s L_s exp(m_s - M) (O_s the slice's normalised output).
-  // The slices' m and L go to shared memory in one parallel pass, and each output's n_eff loads are
-  // unrolled: at long contexts (64 slices of 8 heads) one block reads ~135 KB here, which serial load
-  // chains made the slowest step. The O projection's merge (stage_load_slices) repeats these operations.
-  float* fw = wacc;                  // reuse: [n_eff][G] m_s, then exp(m_s - M), then that times L_s
-  float* fl = fw + kMaxSplit * G;    // [n_eff][G] L_s
-  float* fM = wm;                    // [G] M
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) {
-    fw[i] = __ldcg(part_base + i * PS + HD / 2);
-    fl[i] = __ldcg(part_base + i * PS + HD / 2 + 1);
-  }
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < G) {
-    const int h = threadIdx.x;
-    float M = -INFINITY;
-    for (int s = 0; s < n_eff; ++s) M = fmaxf(M, fw[s * G + h]);
-    fM[h] = M;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i] = expf(fw[i] - fM[i % G]);
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < G) {
-    const int h = threadIdx.x;
-    float Ls = 0.f;
-    for (int s = 0; s < n_eff; ++s) Ls = fmaf(fl[s * G + h], fw[s * G + h], Ls);
-    wl[h] = 1.f / Ls;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_eff * G; i += blockDim.x) fw[i] = fw[i] * fl[i];
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
-    const int h = i / HD, d = i % HD;
-    // slice s's value at element s * G * PS * 2 of ph (PS floats per row)
-    const __half* ph = reinterpret_cast<const __half*>(part_base + h * PS) + d;
-    auto at = [&](int s) { return __half2float(__ldcg(ph + static_cast<int64_t>(s) * G * PS * 2)); };
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains; with the unroll, 16 slices' loads in flight
-    int s = 0;
-#pragma unroll 4
-    for (; s + 4 <= n_eff; s += 4) {
-      a0 = fmaf(at(s + 0), fw[(s + 0) * G + h], a0);
-      a1 = fmaf(at(s + 1), fw[(s + 1) * G + h], a1);
-      a2 = fmaf(at(s + 2), fw[(s + 2) * G + h], a2);
-      a3 = fmaf(at(s + 3), fw[(s + 3) * G + h], a3);
-    }
-    for (; s < n_eff; ++s) a0 = fmaf(at(s), fw[s * G + h], a0);
-    out[i] = ((a0 + a1) + (a2 + a3)) * wl[h];
-  }
+  merge_slices<HD, G>(part_base, out, n_eff, wacc, wl);
   __syncthreads();
 }
 

@@ -888,9 +888,9 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   for (int hd : {64, 128})
-    for (int past : {0, 70, 611})
+    for (int past : {0, 70, 611, 2210})  // 2210: 35 slices of 64 (the merge's loads in three batches)
     for (int G : {8, 2}) {  // one query head per warp (8 warps), or fewer heads than warps
-      const int n_kv = 2, n_head = n_kv * G, ctx = 700;
+      const int n_kv = 2, n_head = n_kv * G, ctx = std::max(700, past + 1);
       const int Q = n_head * hd, KV = n_kv * hd;
       const float eps = 1e-6f, theta_scale = std::pow(1e6f, -2.0f / hd);
       std::vector<float> ck = randn(static_cast<size_t>(ctx) * KV, rng), cv = randn(static_cast<size_t>(ctx) * KV, rng);

@@ -469,7 +469,7 @@ BENCHMARK(BM_Decode)->Arg(0)->Arg(4096)->Iterations(256)->Unit(benchmark::kMicro
 #ifdef MOE_TRACE
 // Per-block timestamps of two decode tokens (trace.cuh), written as CSV to $MOE_TRACE_OUT: after 8 greedy
 // tokens from an empty context (/0: positions 8-9), or after a prompt of range(0) tokens (/136: positions
-// 144-145, where the CLI's usual measurement decodes; written to $MOE_TRACE_OUT.136).
+// 144-145, where the CLI's usual measurement decodes; /4096: 4104-4105; written to $MOE_TRACE_OUT.<n>).
 void BM_DecodeTrace(benchmark::State& st) {
   Loaded* l = loaded();
   const char* out = std::getenv("MOE_TRACE_OUT");
@@ -524,7 +524,7 @@ void BM_DecodeTrace(benchmark::State& st) {
   }
   st.counters["records"] = n;
 }
-BENCHMARK(BM_DecodeTrace)->Arg(0)->Arg(136)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeTrace)->Arg(0)->Arg(136)->Arg(4096)->Iterations(1)->Unit(benchmark::kMillisecond);
 #endif
 
 void BM_Prefill(benchmark::State& st) {
