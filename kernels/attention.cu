@@ -90,6 +90,7 @@ constexpr int kFlashWarps = 4;
 constexpr int kFlashRows = 16 * kFlashWarps;  // query rows per block
 constexpr int kFlashKeys = 64;                // cache positions per tile
 
+using h16::ldsm_x4_trans;
 using h16::mma_f16;
 using h16::pack_h2;
 
@@ -99,12 +100,6 @@ __device__ __forceinline__ void split_h2(float a, float b, uint32_t& hi, uint32_
   const float2 r = __half22float2(h);
   hi = *reinterpret_cast<const uint32_t*>(&h);
   lo = pack_h2(a - r.x, b - r.y);
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
 }
 
 template <int HD>
@@ -299,7 +294,7 @@ __global__ void rope_table_kernel(const int32_t* pos0, const __grid_constant__ R
 // The Rope parameters are __grid_constant__ in these kernels: rope_cos_sin takes them by reference, and a
 // by-value struct parameter is then copied to local memory by every thread at the kernel's start.
 template <int D, int G>
-__global__ void __launch_bounds__(kDecWarps * 32) attention_decode_kernel(const float* __restrict__ qkv,
+__global__ void __launch_bounds__(kDecWarps * 32, 3) attention_decode_kernel(const float* __restrict__ qkv,
                                                                           const int32_t* pos0, const float* q_norm,
                                                                           const float* k_norm, float eps,
                                                                           const __grid_constant__ Rope rope,

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "mma.cuh"
 #include "trace.cuh"
 
 namespace moe::cuda::k::att {
@@ -99,90 +100,130 @@ __device__ __forceinline__ void kv_group_store(const KVGroup<D, NW>& g, __half* 
   }
 }
 
-// Decode attention of the G query heads of one KV head over positions [c0, c1) (cache rows kv_dim halves
-// apart, the head's dims at `off`) by a block of NW warps: query head h is warp h % NW's. Per group of 32
-// positions the block copies their K and V rows to shared memory (coalesced, all loads in flight at
-// once; rows padded so that lane i can read K row i without bank conflicts), lane i scores position
-// base + i for its warp's head, the group's softmax update is one warp max and one warp sum, and every
-// lane accumulates its D output dims over the group (the weights broadcast by shuffles). Position `cur`
-// (if any) comes from kn/vn (shared memory). Why: with lanes splitting the dims of a position (the loop
-// before this one) every position cost a 5-shuffle reduction per query head and the warps' results a
-// merge; that attend phase took 3.7 us at short contexts. (Lanes reading their K rows from global memory
-// directly, 32 rows per load instruction, measured slower still: 6.7 us.)
-// `grp` holds the first group's rows (kv_group_load of c0, issued by the caller); each next group's loads
-// are issued once the current one is in shared memory, so they are in flight while it is scored
-// (BM_Decode/4096 343-344 vs 335-336 tok/s, same call); kt: 64 * (D * 32 + 8)
-// halves of shared memory (K rows, then V rows). Returns, for each of the warp's heads (h = warp + NW i),
-// the running max m, normaliser l and this lane's dims lane * D .. + D of the unnormalised output.
+// The tensor-core scratch of the decode attention's block (attend_heads_block): q of the (up to) 8 query
+// heads as fp16 hi + lo rows, the group's softmax weights P the same way, the two halves of S and the
+// heads' rescaling factors. In floats.
+constexpr int dec_tc_floats(int HD) { return 8 * (HD + 8) + 8 * 40 + 2 * 32 * 8 + 8; }
+
+// Decode attention of the G (<= 8) query heads of one KV head over positions [c0, c1) (cache rows kv_dim
+// halves apart, the head's dims at `off`) by a block of 8 warps, on the tensor cores. Per group of 32
+// positions the block copies their K and V rows to shared memory (coalesced, all loads in flight at once;
+// rows padded for ldmatrix), then
+//   S = K q^T    (32 positions x 8 heads): warps 0-3, one 16-position tile and half of the dims each;
+//   softmax      warp h for head h, lane j for position j (the running max m, sum l and rescale factor);
+//   O^T += V^T P^T (head_dim x 8 heads): warp w for dims 16 w .. 16 w + 15, V^T by ldmatrix.trans;
+// all on mma.sync m16n8k16 (f16 x f16 -> f32), q and P split into fp16 hi + lo (each product exact to
+// ~2^-22, as in the prefill's flash attention; K and V are the fp16 cache values). Heads past G are zero
+// rows of q and P. Why: with one query head per warp and a lane per position, the dot products (128
+// FMAs, 64 conversions and 48 shared loads per lane and position) and the V accumulation made a group
+// issue-bound at ~1.5-2 us (the trace: a slice of 3 groups took ~7 us at 4096 positions).
+// Position `cur` (if any) comes from kn/vn (shared memory). `grp` holds the first group's rows
+// (kv_group_load of c0, issued by the caller); each next group's loads are issued once the current one
+// is in shared memory, so they are in flight while it is scored. kt: 64 * (D * 32 + 8) halves of shared
+// memory (K rows, then V rows), tc: dec_tc_floats(HD) floats. Returns, for the warp's head (h = warp <
+// G), the running max m, normaliser l and this lane's dims lane * D .. + D of the unnormalised output.
 template <int D, int G, int NW>
 __device__ __forceinline__ void attend_heads_block(const float* qs, const __half* kc, const __half* vc, int kv_dim,
                                                    int64_t off, int c0, int c1, int cur, const float* kn,
-                                                   const float* vn, KVGroup<D, NW>& grp, __half* kt,
-                                                   float (&m)[(G + NW - 1) / NW], float (&l)[(G + NW - 1) / NW],
-                                                   float (&acc)[(G + NW - 1) / NW][D]) {
-  constexpr int HD = D * 32, KS = HD + 8, HPW = (G + NW - 1) / NW, CH = HD / 8;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int i = 0; i < HPW; ++i) {
-    m[i] = -INFINITY;
-    l[i] = 0.f;
-#pragma unroll
-    for (int d = 0; d < D; ++d) acc[i][d] = 0.f;
+                                                   const float* vn, KVGroup<D, NW>& grp, __half* kt, float* tc,
+                                                   float (&m)[1], float (&l)[1], float (&acc)[1][D]) {
+  static_assert(G <= 8 && NW == 8, "one 8-column tile of query heads, 8 warps");
+  constexpr int HD = D * 32, KS = HD + 8, QP = HD + 8, PP = 40, KSTEPS = HD / 16, KH = KSTEPS / 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  __half* qh = reinterpret_cast<__half*>(tc);  // [8][QP]
+  __half* ql = qh + 8 * QP;
+  __half* ph = ql + 8 * QP;                    // [8][PP]
+  __half* pl = ph + 8 * PP;
+  float* sp = reinterpret_cast<float*>(pl + 8 * PP);  // [2][32][8] S of the two dim halves
+  float* corr = sp + 2 * 32 * 8;                       // [8]
+  // q (scaled) as hi + lo; heads past G: zero rows of q and P, factor 1
+  for (int i = threadIdx.x; i < 8 * HD / 2; i += NW * 32) {
+    const int h = i / (HD / 2), d = 2 * (i - h * (HD / 2));
+    const float2 v = h < G ? *reinterpret_cast<const float2*>(qs + h * HD + d) : make_float2(0.f, 0.f);
+    const __half2 hi = __floats2half2_rn(v.x, v.y);
+    const float2 r = __half22float2(hi);
+    *reinterpret_cast<__half2*>(qh + h * QP + d) = hi;
+    *reinterpret_cast<__half2*>(ql + h * QP + d) = __floats2half2_rn(v.x - r.x, v.y - r.y);
   }
+  for (int i = threadIdx.x; i < (8 - G) * PP; i += NW * 32) {
+    ph[G * PP + i] = __float2half_rn(0.f);
+    pl[G * PP + i] = __float2half_rn(0.f);
+  }
+  if (threadIdx.x >= G && threadIdx.x < 8) corr[threadIdx.x] = 1.f;
+  m[0] = -INFINITY;
+  l[0] = 0.f;
+  float o[4] = {0.f, 0.f, 0.f, 0.f};  // O^T: dims 16 warp + g (+ 8), heads 2t, 2t + 1
   for (int base = c0; base < c1; base += 32) {  // uniform over the block
-    __syncthreads();  // the previous group's rows are consumed
+    __syncthreads();  // the previous group's rows and weights are consumed (first: q is written)
     kv_group_store(grp, kt, base, c1, cur, kn, vn);
     __syncthreads();
     MOE_TRACE_MARK(4);
     // the next group's loads in flight while this one is scored
     if (base + 32 < c1) kv_group_load(grp, kc, vc, kv_dim, off, base + 32, c1, cur);
-    const int j = base + lane, n = min(32, c1 - base);
+    const int n = min(32, c1 - base);
+    if (warp < 4) {  // S: positions 16 (warp & 1) + .., dims of half warp >> 1
+      const int mt = warp & 1, kh = warp >> 1;
+      float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int hi = 0; hi < HPW; ++hi) {
-      const int h = warp + NW * hi;
-      if (h >= G) break;  // uniform over the warp
-      const float* q = qs + h * HD;
-      float s = -INFINITY;
-      if (j < c1) {
-        float a[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          const uint4 u = *reinterpret_cast<const uint4*>(kt + lane * KS + 8 * c);
-          const float2 k0 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-          const float2 k1 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-          const float2 k2 = __half22float2(*reinterpret_cast<const __half2*>(&u.z));
-          const float2 k3 = __half22float2(*reinterpret_cast<const __half2*>(&u.w));
-          const float4 qa = *reinterpret_cast<const float4*>(q + 8 * c), qb = *reinterpret_cast<const float4*>(q + 8 * c + 4);
-          float& t = a[c & 3];
-          t = fmaf(qa.x, k0.x, t);
-          t = fmaf(qa.y, k0.y, t);
-          t = fmaf(qa.z, k1.x, t);
-          t = fmaf(qa.w, k1.y, t);
-          t = fmaf(qb.x, k2.x, t);
-          t = fmaf(qb.y, k2.y, t);
-          t = fmaf(qb.z, k3.x, t);
-          t = fmaf(qb.w, k3.y, t);
-        }
-        s = (a[0] + a[1]) + (a[2] + a[3]);
+      for (int j = 0; j < KH; ++j) {
+        const int kk = kh * KH + j;
+        uint32_t a[4], b[4];
+        dev::i8::ldsm_x4(a, kt + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * KS + kk * 16 + 8 * (lane >> 4));
+        dev::i8::ldsm_x4(b, ((lane >> 4) ? ql : qh) + (lane & 7) * QP + kk * 16 + 8 * ((lane >> 3) & 1));
+        h16::mma_f16(sa, a, b[0], b[1]);
+        h16::mma_f16(sb, a, b[2], b[3]);
       }
-      MOE_TRACE_MARK(5);
-      const float mn = fmaxf(m[hi], warp_max(s));  // finite: the group has a position
-      const float pw = j < c1 ? expf(s - mn) : 0.f;
-      const float corr = expf(m[hi] - mn);  // 0 on the first group (m = -inf)
-      l[hi] = l[hi] * corr + warp_sum(pw);
-#pragma unroll
-      for (int d = 0; d < D; ++d) acc[hi][d] *= corr;
-      m[hi] = mn;
+      float* s = sp + (kh * 32 + mt * 16 + g) * 8 + 2 * t;
+      *reinterpret_cast<float2*>(s) = make_float2(sa[0] + sb[0], sa[1] + sb[1]);
+      *reinterpret_cast<float2*>(s + 64) = make_float2(sa[2] + sb[2], sa[3] + sb[3]);
+    }
+    __syncthreads();
+    if (warp < G) {  // the online softmax of head `warp` over the group
+      const bool ok = lane < n;
+      const float s = ok ? sp[lane * 8 + warp] + sp[(32 + lane) * 8 + warp] : -INFINITY;
+      const float mn = fmaxf(m[0], warp_max(s));  // finite: the group has a position
+      const float pw = ok ? expf(s - mn) : 0.f;
+      const float cr = expf(m[0] - mn);  // 0 on the first group (m = -inf)
+      l[0] = l[0] * cr + warp_sum(pw);
+      m[0] = mn;
+      const __half hi = __float2half_rn(pw);
+      ph[warp * PP + lane] = hi;
+      pl[warp * PP + lane] = __float2half_rn(pw - __half2float(hi));
+      if (lane == 0) corr[warp] = cr;
+    }
+    __syncthreads();
+    MOE_TRACE_MARK(5);
+    if (warp < HD / 16) {  // O^T += V^T P^T for dims 16 warp .. + 15
+      const float r0 = corr[2 * t], r1 = corr[2 * t + 1];
+      o[0] *= r0;
+      o[1] *= r1;
+      o[2] *= r0;
+      o[3] *= r1;
       const __half* vt = kt + 32 * KS;  // the group's V rows
-#pragma unroll 8
-      for (int t = 0; t < n; ++t) {
-        const float w = __shfl_sync(0xffffffffu, pw, t);
-        float vf[D];
-        load_halves<D>(vt + t * KS + lane * D, vf);
 #pragma unroll
-        for (int d = 0; d < D; ++d) acc[hi][d] = fmaf(w, vf[d], acc[hi][d]);
+      for (int ks = 0; ks < 2; ++ks) {
+        uint32_t a[4], b[4];
+        h16::ldsm_x4_trans(a, vt + (ks * 16 + (lane & 7) + 8 * (lane >> 4)) * KS + 16 * warp + 8 * ((lane >> 3) & 1));
+        dev::i8::ldsm_x4(b, ((lane >> 4) ? pl : ph) + (lane & 7) * PP + ks * 16 + 8 * ((lane >> 3) & 1));
+        h16::mma_f16(o, a, b[0], b[1]);
+        h16::mma_f16(o, a, b[2], b[3]);
       }
     }
+  }
+  // O^T to the warp-per-head layout of the caller, through shared memory (kt's rows are consumed)
+  __syncthreads();
+  float* ot = reinterpret_cast<float*>(kt);  // [8][HD]
+  if (warp < HD / 16) {
+    const int d = 16 * warp + g;
+    ot[(2 * t) * HD + d] = o[0];
+    ot[(2 * t + 1) * HD + d] = o[1];
+    ot[(2 * t) * HD + d + 8] = o[2];
+    ot[(2 * t + 1) * HD + d + 8] = o[3];
+  }
+  __syncthreads();
+  if (warp < G) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) acc[0][d] = ot[warp * HD + lane * D + d];
   }
 }
 
@@ -236,13 +277,16 @@ constexpr int kDecWarps = 8;
 constexpr int dec_wacc_floats(int G, int HD) {
   return kDecWarps * G * HD > 32 * (HD + 8) ? kDecWarps * G * HD : 32 * (HD + 8);
 }
-constexpr int dec_smem_floats(int G, int HD) { return G * HD + 3 * HD + 2 * kDecWarps * G + dec_wacc_floats(G, HD); }
+constexpr int dec_smem_floats(int G, int HD) {
+  return G * HD + 3 * HD + 2 * kDecWarps * G + dec_wacc_floats(G, HD) + dec_tc_floats(HD);
+}
 static_assert(kDecWarps * 16 >= 2 * kMaxSplit, "the merge's m and L fit in wacc for head_dim >= 16");
 
 // The last slice block's merge of a KV head's n_eff slices (partials at part_base) into out ([G][HD]);
-// fw: shared memory for kMaxSplit * G floats, wl: G.
+// fw: shared memory for kMaxSplit * G floats, wl: G. Not inlined: inlined into the item it made ptxas
+// spill registers of the attend phase (the kernel is held to 80 registers: three blocks per SM).
 template <int HD, int G>
-__device__ __forceinline__ void merge_slices(const float* part_base, float* out, int n_eff, float* fw, float* wl) {
+__device__ __noinline__ void merge_slices(const float* part_base, float* out, int n_eff, float* fw, float* wl) {
   constexpr int PS = attention_partial_stride(HD), kWarps = kDecWarps;
   // out = Σ_s O_s L_s exp(m_s - M) / Σ_s L_s exp(m_s - M) (O_s the slice's normalised output), in
   // the operations and order of the O projection's merge (stage_load_slices), so that a deferred and a
@@ -348,6 +392,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   float* wacc = wl + kWarps * G;    // the attend phase's K and V rows, then the merge's scratch
   float* cs = wacc + dec_wacc_floats(G, HD);  // RoPE cos, sin of the HD / 2 pairs (every head uses the same)
   float* sn = cs + HD / 2;
+  float* tc = sn + HD / 2;          // the tensor-core scratch (dec_tc_floats; 16-byte aligned: offsets in fours)
   __shared__ bool last;
   const float* row = qkv;
   if (rope_cs) {  // the token's table (rope_table)
@@ -404,7 +449,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
     // the warm pass covers the first group only: it issues no loads of a next one, so grp still holds the
     // first group's rows for the real pass
     attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, grp,
-                                     reinterpret_cast<__half*>(wacc), m, l, acc);
+                                     reinterpret_cast<__half*>(wacc), tc, m, l, acc);
   }
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;

@@ -889,7 +889,7 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
   std::mt19937_64 rng(seed);
   for (int hd : {64, 128})
     for (int past : {0, 70, 611, 2210})  // 2210: 35 slices of 64 (the merge's loads in three batches)
-    for (int G : {8, 2}) {  // one query head per warp (8 warps), or fewer heads than warps
+    for (int G : {8, 4, 2, 1}) {  // a full 8-head tile of the tensor-core steps, or zero-padded heads
       const int n_kv = 2, n_head = n_kv * G, ctx = std::max(700, past + 1);
       const int Q = n_head * hd, KV = n_kv * hd;
       const float eps = 1e-6f, theta_scale = std::pow(1e6f, -2.0f / hd);
