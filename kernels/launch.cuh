@@ -90,7 +90,10 @@ struct RouterAcc {
 // fp16 values, then its max m and sum L as floats (16-byte rows). Half the bytes of fp32 partials for the
 // O projection's 128 blocks that each read every slice; the rounding (at most 2^-11 of the value) is that
 // of the cache rows themselves.
-constexpr int kAttMaxDefer = 8;
+// 4: with the attention's own merge cheap (8-byte loads, one acquire-release add), the O projection's
+// merge of 5-8 slices cost more than it saved (CLI, 48 tokens after 200: 585.5-586.0 tok/s deferring up
+// to 4, 578.9-579.0 up to 8; after 136: 597.5-597.8 vs 593.3-593.4; run r19).
+constexpr int kAttMaxDefer = 4;
 struct AttSlices {
   const float* partials = nullptr;  // null: the O projection reads the merged output
   const int32_t* pos = nullptr;     // the decode position (the context is pos[0] + 1 long)

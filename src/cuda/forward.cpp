@@ -645,11 +645,16 @@ class CudaForward final : public Forward {
   }
 
   // The decode attention's slices merged by the O projection (k::AttSlices) when the routing is in the O
-  // projection and the head size allows it; MOE_CUDA_ATT_DEFER=0 keeps the attention's own merge.
+  // projection and the head size allows it, for contexts of 2 .. defer slices; MOE_CUDA_ATT_DEFER=0 keeps
+  // the attention's own merge, =2 or 3 defers fewer than kAttMaxDefer slices.
   k::AttSlices att_slices() const {
     k::AttSlices a;
-    if (!fused_router_ || !k::env_switch("MOE_CUDA_ATT_DEFER", true) || c_.head_dim % 128 != 0 || c_.q_dim() > 4096)
-      return a;
+    int defer = k::kAttMaxDefer;
+    if (const char* e = std::getenv("MOE_CUDA_ATT_DEFER")) {
+      const int v = std::atoi(e);
+      defer = e[0] == '0' ? 0 : v >= 2 && v <= k::kAttMaxDefer ? v : defer;
+    }
+    if (!fused_router_ || defer < 2 || c_.head_dim % 128 != 0 || c_.q_dim() > 4096) return a;
     a.partials = partials_;
     a.pos = pos_;
     a.n_head_kv = static_cast<int>(c_.n_head_kv);
@@ -657,7 +662,7 @@ class CudaForward final : public Forward {
     a.head_dim = static_cast<int>(c_.head_dim);
     a.n_split = decode_splits();
     a.min_chunk = k::attention_min_chunk();
-    a.defer = k::kAttMaxDefer;
+    a.defer = defer;
     return a;
   }
 

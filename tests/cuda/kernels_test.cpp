@@ -788,7 +788,7 @@ TEST(CudaKernels, PrefillAttentionEveryShapeMatchesTwin) {
 
 // The decode attention's slices left to the O projection (k::AttSlices): for contexts of 1 to 9 slices the
 // O projection's x and router sums are the same bits as with the attention's own merge, and where the
-// attention defers (2 .. 8 slices) it leaves its merged output and counters untouched. Against the twin
+// attention defers (2 .. kAttMaxDefer slices) it leaves its merged output and counters untouched. Against the twin
 // of the non-deferred chain (AttentionDecodeFusesNormRopeAndStore, RouterInOProjectionMatchesTwin).
 TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
   REQUIRE_GPU();
@@ -810,8 +810,8 @@ TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
                              kn = randn(hd, rng), x = randn(E, rng), g = randn(E, rng);
     moe::cuda::k::Rope rope;
     rope.theta_scale = std::pow(1e6f, -2.0f / hd);
-    // contexts of 1, 2, 5, 8 and 9 slices of the minimum length (the last is past what the O projection takes)
-    for (int slices : {1, 2, 5, 8, 9}) {
+    // contexts of 1 to 5 and 9 slices of the minimum length (5 and 9 are past what the O projection takes)
+    for (int slices : {1, 2, 3, 4, 5, 9}) {
       const int past = slices == 1 ? 3 : std::min(ctx - 1, (slices - 1) * chunk_min + 1);
       const int chunk = std::max((past + 1 + n_split - 1) / n_split, chunk_min);
       const int n_eff = (past + 1 + chunk - 1) / chunk;
