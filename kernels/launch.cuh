@@ -212,7 +212,7 @@ cudaError_t chase_links(const void* base, int64_t first, int steps, long long* c
 // ---- the persistent decode kernel (decode_persist.cu) ---------------------------------------------------
 // Every layer of one decode token in one cooperative launch (grid barriers between the phases; weight
 // rows sent to L2 ahead of their phase). The layer table lives in device memory.
-// One layer's weights on the device (also the host forward's layer table, src/cuda/forward.cpp).
+// One layer's weights on the device (also the host forward's layer table, src/cuda/forward.hpp).
 struct LayerWeights {
   Mat q, k, v, o, router, gate, up, down;
   const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;

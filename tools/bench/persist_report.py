@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarises MOE_PERSIST_PROFILE output (src/cuda/forward.cpp): per phase of the persistent decode
+"""Summarises MOE_PERSIST_PROFILE output (src/cuda/forward_decode.cpp): per phase of the persistent decode
 kernel, the work time of the slowest block (its arrive minus its leave of the previous barrier), the
 barrier time (first leave minus last arrive) and the skew of the leaves, averaged over the layers; and
 the SM clock (clock64 against %globaltimer).
