@@ -311,11 +311,14 @@ __device__ __forceinline__ void choose_experts(const float* logits, int n, int k
 
 namespace moe::cuda::k {
 bool pdl_enabled();  // on unless MOE_CUDA_PDL=0 (see gemv.cu)
+int carveout_pref();  // MOE_CUDA_CARVEOUT=N (0..100): every kernel's preferred shared-memory carveout; -1 none
 
 // cudaLaunchKernelEx with at most one launch attribute (none when attr is null).
 template <typename... KArgs, typename... Args>
 cudaError_t launch_with(const cudaLaunchAttribute* attr, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                         cudaStream_t s, Args... args) {
+  if (const int c = carveout_pref(); c >= 0)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, c);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

@@ -532,6 +532,14 @@ bool pdl_enabled() {
   return on;
 }
 
+int carveout_pref() {
+  static const int v = [] {
+    const char* e = std::getenv("MOE_CUDA_CARVEOUT");
+    return e ? std::clamp(std::atoi(e), 0, 100) : -1;
+  }();
+  return v;
+}
+
 int sm_count() {
   if (g_sm_count == 0) {
     int dev = 0, n = 0;
