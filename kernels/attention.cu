@@ -302,12 +302,13 @@ __global__ void __launch_bounds__(kDecWarps * 32, 3) attention_decode_kernel(con
                                                                           int n_split, float* partials,
                                                                           int* counters, float* out_all,
                                                                           const float* rope_cs, int min_chunk,
-                                                                          int defer, int warm) {
+                                                                          int defer, int warm, int tree_min,
+                                                                          int leaf) {
   extern __shared__ float sm[];
   MOE_TRACE_SCOPE(4);
   attention_decode_item<D, G>(blockIdx.x, blockIdx.y, qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split,
-                              partials, counters, out_all, rope_cs, sm, true, min_chunk, defer,
-                              warm != 0);  // waits after its first loads
+                              partials, counters, out_all, rope_cs, sm, true, min_chunk, defer, warm != 0,
+                              tree_min, leaf);  // waits after its first loads
 }
 
 template <int HD, int G>
@@ -346,10 +347,15 @@ cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const
                                     float eps, Rope rope, void* kc, void* vc, int n_head_kv, int n_split,
                                     float* partials, int* counters, float* out, const float* rope_cs, cudaStream_t s,
                                     int defer) {
-  const size_t smem = static_cast<size_t>(dec_smem_floats(G, D * 32)) * sizeof(float);
+  const size_t smem = static_cast<size_t>(dec_smem_floats(G, D * 32)) * sizeof(float);  // over 48 KB with the ring
+  static const cudaError_t attr = cudaFuncSetAttribute(attention_decode_kernel<D, G>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
   return launch_pdl(attention_decode_kernel<D, G>, dim3(n_head_kv, n_split), dim3(kDecWarps * 32), smem, s, qkv, pos0,
                     q_norm, k_norm, eps, rope, static_cast<__half*>(kc), static_cast<__half*>(vc), n_head_kv, n_split,
-                    partials, counters, out, rope_cs, attention_min_chunk(), defer, attention_warm_pass() ? 1 : 0);
+                    partials, counters, out, rope_cs, attention_min_chunk(), defer, attention_warm_pass() ? 1 : 0,
+                    attention_tree_min(), attention_leaf());
 }
 
 template <int D>
@@ -406,6 +412,22 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
                                  partials, counters, out, rope_cs, s, defer);
   return attention_decode_g<4>(G, qkv, pos0, q_norm, k_norm, eps, rope, k_cache, v_cache, n_head_kv, n_split, partials,
                                counters, out, rope_cs, s, defer);
+}
+
+int attention_tree_min() {
+  static const int v = [] {
+    const char* e = std::getenv("MOE_CUDA_ATT_TREE");
+    return e ? std::clamp(std::atoi(e), 0, 1 << 20) : 17;
+  }();
+  return v;
+}
+
+int attention_leaf() {
+  static const int v = [] {
+    const char* e = std::getenv("MOE_CUDA_ATT_LEAF");
+    return e ? std::clamp(std::atoi(e), kAttLeafMin, kAttLeafMax) : 8;
+  }();
+  return v;
 }
 
 int attention_min_chunk() {

@@ -31,7 +31,8 @@ static __device__ __noinline__ void rope_cos_sin(int i, int pos, const Rope& rop
   s = static_cast<float>(sd) * rope.mscale;
 }
 
-constexpr int kMaxSplit = 64;
+constexpr int kMaxSplit = kAttMaxSplit;
+constexpr int kMergeMax = 64;  // inputs of one merge_slices (two per lane); more slices merge in two levels
 // Decode slices are at least kDecMinChunk positions: one round of a block's loads (8 warps x 4
 // positions) at short contexts.
 constexpr int kDecMinChunk = 32;
@@ -57,46 +58,41 @@ __device__ __forceinline__ void load_halves(const __half* p, float (&f)[D]) {
   }
 }
 
-// A block's K and V rows of one group of 32 positions in registers (every thread's 16-byte pieces), so that
-// their loads can be issued early: the first group's before the block's Q/K norm and RoPE.
+// A block's K and V rows of groups of 32 positions go to shared memory by cp.async (no registers held),
+// into a ring of kKvRing slots: the first kKvRing groups of a slice are issued before the block's wait
+// (cache rows of earlier positions do not depend on the previous kernel), and each later group as soon as
+// its slot is consumed, so that up to kKvRing - 1 groups are in flight while one is scored. A slot is 64
+// rows of HD + 8 halves (K rows 0-31, V rows 32-63; padded for ldmatrix). Two slots: with three (66 KB
+// blocks) every other decode kernel ran slower beside the attention's blocks (BM_Decode/0 580 vs 604 tok/s,
+// /4096 440 vs 490; docs/PERFORMANCE.md version 18), with two (49 KB) the attention gains alone.
+constexpr int kKvRing = 2;
+constexpr int kv_slot_halves(int HD) { return 64 * (HD + 8); }
+// Issues rows base .. base + 31 of K and V into slot (zeros past c1; nothing for `cur`, the position this
+// token writes, whose row kv_cur_row fills from kn/vn); the caller commits the group.
 template <int D, int NW>
-struct KVGroup {
-  static constexpr int CH = D * 4, PER = (2 * 32 * CH + NW * 32 - 1) / (NW * 32);  // 16-byte pieces per row, per thread
-  uint4 v[PER];
-};
-// Loads rows base .. base + 31 (zeros past c1 and for `cur`, which kv_group_store takes from kn/vn).
-template <int D, int NW>
-__device__ __forceinline__ void kv_group_load(KVGroup<D, NW>& g, const __half* kc, const __half* vc, int kv_dim,
-                                              int64_t off, int base, int c1, int cur) {
-  constexpr int CH = KVGroup<D, NW>::CH;
+__device__ __forceinline__ void kv_group_issue(__half* slot, const __half* kc, const __half* vc, int kv_dim,
+                                               int64_t off, int base, int c1, int cur) {
+  constexpr int CH = D * 4, KS = D * 32 + 8, N = 2 * 32 * CH;  // 16-byte pieces per row; pieces per group
+  static_assert(N % (NW * 32) == 0, "whole pieces per thread");
 #pragma unroll
-  for (int k = 0; k < KVGroup<D, NW>::PER; ++k) {
+  for (int k = 0; k < N / (NW * 32); ++k) {
     const int idx = threadIdx.x + k * NW * 32;
     const int kv = idx / (32 * CH), rem = idx - kv * 32 * CH, r = rem / CH, c = rem - r * CH, p = base + r;
-    g.v[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (kv < 2 && p < c1 && p != cur)
-      g.v[k] = *reinterpret_cast<const uint4*>((kv ? vc : kc) + static_cast<int64_t>(p) * kv_dim + off + 8 * c);
+    if (p == cur) continue;  // not even zeros: they could land after kv_cur_row's stores
+    const bool ok = p < c1;
+    const __half* src = (kv ? vc : kc) + (ok ? static_cast<int64_t>(p) * kv_dim + off + 8 * c : 0);
+    cp_async16_zfill(slot + (idx / CH) * KS + 8 * c, src, ok);
   }
 }
-// Writes the group to kt (K rows, then V rows, KS halves apart), row `cur` from kn/vn (fp16-rounded floats).
-template <int D, int NW>
-__device__ __forceinline__ void kv_group_store(const KVGroup<D, NW>& g, __half* kt, int base, int c1, int cur,
-                                               const float* kn, const float* vn) {
-  constexpr int CH = KVGroup<D, NW>::CH, KS = D * 32 + 8;
-#pragma unroll
-  for (int k = 0; k < KVGroup<D, NW>::PER; ++k) {
-    const int idx = threadIdx.x + k * NW * 32;
-    if (idx >= 2 * 32 * CH) continue;
-    const int kv = idx / (32 * CH), rem = idx - kv * 32 * CH, r = rem / CH, c = rem - r * CH;
-    uint4 v = g.v[k];
-    if (base + r == cur && cur < c1) {
-      const float* src = (kv ? vn : kn) + 8 * c;
-      __half2 h2[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) h2[i] = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
-      v = *reinterpret_cast<const uint4*>(h2);
-    }
-    *reinterpret_cast<uint4*>(kt + (idx / CH) * KS + 8 * c) = v;
+// Row `cur` of the group at base (if it holds it) from kn/vn: fp16-rounded floats, as the cache holds them.
+template <int HD>
+__device__ __forceinline__ void kv_cur_row(__half* slot, int base, int c1, int cur, const float* kn, const float* vn) {
+  constexpr int KS = HD + 8;
+  if (cur < base || cur >= base + 32 || cur >= c1) return;  // uniform over the block
+  const int r = cur - base;
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+    slot[r * KS + i] = __float2half_rn(kn[i]);
+    slot[(32 + r) * KS + i] = __float2half_rn(vn[i]);
   }
 }
 
@@ -117,15 +113,17 @@ constexpr int dec_tc_floats(int HD) { return 8 * (HD + 8) + 8 * 40 + 2 * 32 * 8 
 // rows of q and P. Why: with one query head per warp and a lane per position, the dot products (128
 // FMAs, 64 conversions and 48 shared loads per lane and position) and the V accumulation made a group
 // issue-bound at ~1.5-2 us (the trace: a slice of 3 groups took ~7 us at 4096 positions).
-// Position `cur` (if any) comes from kn/vn (shared memory). `grp` holds the first group's rows
-// (kv_group_load of c0, issued by the caller); each next group's loads are issued once the current one
-// is in shared memory, so they are in flight while it is scored. kt: 64 * (D * 32 + 8) halves of shared
-// memory (K rows, then V rows), tc: dec_tc_floats(HD) floats. Returns, for the warp's head (h = warp <
-// G), the running max m, normaliser l and this lane's dims lane * D .. + D of the unnormalised output.
+// Position `cur` (if any) comes from kn/vn (shared memory). ring: kKvRing slots of kv_slot_halves(HD)
+// halves, the caller having issued (and committed, one cp.async group each, empty or not) the first
+// kKvRing groups of c0 into slots 0, 1, ...; group i is in slot i % kKvRing. With `refill` each step i > 0
+// commits one more group (the slot the previous step consumed, refilled with the group kKvRing - 1 ahead,
+// or empty); without (the warm pass over the first group) nothing is issued or committed. tc:
+// dec_tc_floats(HD) floats. Returns, for the warp's head (h = warp < G), the running max m, normaliser l
+// and this lane's dims lane * D .. + D of the unnormalised output.
 template <int D, int G, int NW>
 __device__ __forceinline__ void attend_heads_block(const float* qs, const __half* kc, const __half* vc, int kv_dim,
                                                    int64_t off, int c0, int c1, int cur, const float* kn,
-                                                   const float* vn, KVGroup<D, NW>& grp, __half* kt, float* tc,
+                                                   const float* vn, __half* ring, bool refill, float* tc,
                                                    float (&m)[1], float (&l)[1], float (&acc)[1][D]) {
   static_assert(G <= 8 && NW == 8, "one 8-column tile of query heads, 8 warps");
   constexpr int HD = D * 32, KS = HD + 8, QP = HD + 8, PP = 40, KSTEPS = HD / 16, KH = KSTEPS / 2;
@@ -153,13 +151,26 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
   m[0] = -INFINITY;
   l[0] = 0.f;
   float o[4] = {0.f, 0.f, 0.f, 0.f};  // O^T: dims 16 warp + g (+ 8), heads 2t, 2t + 1
-  for (int base = c0; base < c1; base += 32) {  // uniform over the block
-    __syncthreads();  // the previous group's rows and weights are consumed (first: q is written)
-    kv_group_store(grp, kt, base, c1, cur, kn, vn);
+  constexpr int SLOT = kv_slot_halves(HD);
+  for (int base = c0, i = 0; base < c1; base += 32, ++i) {  // uniform over the block
+    __half* kt = ring + (i % kKvRing) * SLOT;
+    // this thread's pieces of group i are in: the first kKvRing groups are commits 1 .. kKvRing, the one
+    // step i > 0 issues is commit kKvRing + i (group i + kKvRing - 1)
+    if (i == 0)
+      cp_async_wait<kKvRing - 1>();
+    else
+      cp_async_wait<kKvRing - 2>();
+    kv_cur_row<HD>(kt, base, c1, cur, kn, vn);
+    // every piece of the group is in; the previous group's rows and weights are consumed (first: q is
+    // written)
     __syncthreads();
     MOE_TRACE_MARK(4);
-    // the next group's loads in flight while this one is scored
-    if (base + 32 < c1) kv_group_load(grp, kc, vc, kv_dim, off, base + 32, c1, cur);
+    if (refill && i > 0) {  // the previous step's slot, with the group kKvRing - 1 after this one
+      const int nb = base + 32 * (kKvRing - 1);
+      if (nb < c1)
+        kv_group_issue<D, NW>(ring + ((i + kKvRing - 1) % kKvRing) * SLOT, kc, vc, kv_dim, off, nb, c1, cur);
+      cp_async_commit();
+    }
     const int n = min(32, c1 - base);
     if (warp < 4) {  // S: positions 16 (warp & 1) + .., dims of half warp >> 1
       const int mt = warp & 1, kh = warp >> 1;
@@ -210,9 +221,11 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
       }
     }
   }
-  // O^T to the warp-per-head layout of the caller, through shared memory (kt's rows are consumed)
+  // O^T to the warp-per-head layout of the caller, through shared memory: q's rows in tc are consumed
+  // (8 * (HD + 8) halves of hi and as many of lo, at least 8 * HD floats; P's rows after them are not
+  // touched), while the ring still holds the first group's rows for the real pass after a warm one
   __syncthreads();
-  float* ot = reinterpret_cast<float*>(kt);  // [8][HD]
+  float* ot = tc;  // [8][HD]
   if (warp < HD / 16) {
     const int d = 16 * warp + g;
     ot[(2 * t) * HD + d] = o[0];
@@ -273,20 +286,24 @@ __device__ void norm_rope_warp(const float* in, const float* gain, const float* 
 // written. Slices merge as in attention_kernel. Block: kDecWarps warps; dynamic shared memory
 // dec_smem_floats(G, HD) floats.
 constexpr int kDecWarps = 8;
-// wacc: the attend phase's K and V rows (64 x (HD + 8) halves), then the merge's scratch
+// wacc: the attend phase's ring of K and V rows (kKvRing slots of 64 x (HD + 8) halves), then the merge's
+// scratch (kMaxSplit * G floats)
 constexpr int dec_wacc_floats(int G, int HD) {
-  return kDecWarps * G * HD > 32 * (HD + 8) ? kDecWarps * G * HD : 32 * (HD + 8);
+  return kKvRing * kv_slot_halves(HD) / 2 > kMaxSplit * G ? kKvRing * kv_slot_halves(HD) / 2 : kMaxSplit * G;
 }
 constexpr int dec_smem_floats(int G, int HD) {
   return G * HD + 3 * HD + 2 * kDecWarps * G + dec_wacc_floats(G, HD) + dec_tc_floats(HD);
 }
-static_assert(kDecWarps * 16 >= 2 * kMaxSplit, "the merge's m and L fit in wacc for head_dim >= 16");
+static_assert(kAttLeafMax <= kMergeMax && attention_leaf_groups(kMaxSplit) <= kMergeMax, "two levels merge any split");
 
-// The last slice block's merge of a KV head's n_eff slices (partials at part_base) into out ([G][HD]);
-// fw: shared memory for kMaxSplit * G floats, wl: G. Not inlined: inlined into the item it made ptxas
-// spill registers of the attend phase (the kernel is held to 80 registers: three blocks per SM).
+// The last slice block's merge of a KV head's n_eff slices (partials at part_base) into out ([G][HD]), or
+// with rec into one record of the partials' form (the merged normalised output in fp16, the max M and the
+// sum Σ_s L_s exp(m_s - M): a group of the two-level merge); fw: shared memory for kMaxSplit * G floats,
+// wl: G. Not inlined: inlined into the item it made ptxas spill registers of the attend phase (the kernel
+// is held to 80 registers: three blocks per SM).
 template <int HD, int G>
-__device__ __noinline__ void merge_slices(const float* part_base, float* out, int n_eff, float* fw, float* wl) {
+__device__ __noinline__ void merge_slices(const float* part_base, float* out, int n_eff, float* fw, float* wl,
+                                          float* rec = nullptr) {
   constexpr int PS = attention_partial_stride(HD), kWarps = kDecWarps;
   // out = Σ_s O_s L_s exp(m_s - M) / Σ_s L_s exp(m_s - M) (O_s the slice's normalised output), in
   // the operations and order of the O projection's merge (stage_load_slices), so that a deferred and a
@@ -311,7 +328,7 @@ __device__ __noinline__ void merge_slices(const float* part_base, float* out, in
   for (int h = warp; h < G; h += kWarps) {
     float m2[2], l2[2], w2[2];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {  // lane holds slices lane and lane + 32 (kMaxSplit = 64)
+    for (int u = 0; u < 2; ++u) {  // lane holds slices lane and lane + 32 (kMergeMax = 64)
       const int s = lane + 32 * u;
       m2[u] = s < n_eff ? __ldcg(part_base + (s * G + h) * PS + HD / 2) : -INFINITY;
       l2[u] = s < n_eff ? __ldcg(part_base + (s * G + h) * PS + HD / 2 + 1) : 0.f;
@@ -327,9 +344,15 @@ __device__ __noinline__ void merge_slices(const float* part_base, float* out, in
 #pragma unroll
     for (int u = 0; u < 2; ++u)
       if (lane + 32 * u < n_eff) fw[(lane + 32 * u) * G + h] = w2[u] * l2[u];
-    if (lane == 0) wl[h] = 1.f / Ls;
+    if (lane == 0) {
+      wl[h] = 1.f / Ls;
+      if (rec) {
+        rec[h * PS + HD / 2] = M;
+        rec[h * PS + HD / 2 + 1] = Ls;
+      }
+    }
   }
-  static_assert(kMaxSplit <= 64, "two slices per lane in the merge's weights");
+  static_assert(kMergeMax <= 64, "two slices per lane in the merge's weights");
   __syncthreads();
   if (item < n_items) {
     float4 a[4];
@@ -358,9 +381,18 @@ __device__ __noinline__ void merge_slices(const float* part_base, float* out, in
       }
     }
     const float inv = wl[mh];
-    *reinterpret_cast<float4*>(out + mh * HD + md) =
+    const float4 r =
         make_float4(((a[0].x + a[1].x) + (a[2].x + a[3].x)) * inv, ((a[0].y + a[1].y) + (a[2].y + a[3].y)) * inv,
                     ((a[0].z + a[1].z) + (a[2].z + a[3].z)) * inv, ((a[0].w + a[1].w) + (a[2].w + a[3].w)) * inv);
+    if (rec) {
+      const __half2 lo = __floats2half2_rn(r.x, r.y), hi = __floats2half2_rn(r.z, r.w);
+      uint2 u;
+      u.x = *reinterpret_cast<const uint32_t*>(&lo);
+      u.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(rec + mh * PS) + md) = u;
+    } else {
+      *reinterpret_cast<float4*>(out + mh * HD + md) = r;
+    }
   }
 }
 
@@ -371,8 +403,9 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
                                                       int n_split, float* partials, int* counters, float* out_all,
                                                       const float* rope_cs, float* sm, bool wait_prev,
                                                       int min_chunk = kDecMinChunk, int defer = 0,
-                                                      bool warm_pass = false) {
+                                                      bool warm_pass = false, int tree_min = 0, int leaf = 8) {
   constexpr int HD = D * 32, PS = attention_partial_stride(HD), kWarps = kDecWarps;
+  static_assert(HD <= kWarps * 32, "a thread per RoPE table entry");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_head = n_head_kv * G, q_dim = n_head * HD, kv_dim = n_head_kv * HD;
   const int pos = pos0[0];
@@ -383,21 +416,31 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   // 2 .. defer slices: the O projection merges them (AttSlices, launch.cuh)
   const bool deferred = n_eff > 1 && n_eff <= defer;
   const int c0 = sp * chunk, c1 = min(len, c0 + chunk);
-  KVGroup<D, kWarps> grp;  // the first group's K/V rows: their loads overlap the norm and RoPE below
-  kv_group_load(grp, kc, vc, kv_dim, static_cast<int64_t>(g) * HD, c0, c1, pos);
   float* qs = sm;                   // [G][HD], scaled by 1/sqrt(HD)
   float* kn = qs + G * HD;          // this position's K and V (fp16-rounded, as the cache holds them)
   float* vn = kn + HD;
   float* wm = vn + HD;              // [kWarps][G]
   float* wl = wm + kWarps * G;      // [kWarps][G]
-  float* wacc = wl + kWarps * G;    // the attend phase's K and V rows, then the merge's scratch
+  float* wacc = wl + kWarps * G;    // the attend phase's ring of K and V rows, then the merge's scratch
   float* cs = wacc + dec_wacc_floats(G, HD);  // RoPE cos, sin of the HD / 2 pairs (every head uses the same)
   float* sn = cs + HD / 2;
   float* tc = sn + HD / 2;          // the tensor-core scratch (dec_tc_floats; 16-byte aligned: offsets in fours)
+  // the token's RoPE table (rope_table) into a register first: loads issued after the ring's copies wait
+  // behind their DRAM misses
+  const float rc = rope_cs && static_cast<int>(threadIdx.x) < HD ? __ldcg(rope_cs + threadIdx.x) : 0.f;
+  // the slice's first kKvRing groups of K/V rows: their copies overlap the norm and RoPE below (and, with
+  // programmatic dependent launch, the previous kernel's tail)
+  __half* ring = reinterpret_cast<__half*>(wacc);
+  for (int s = 0; s < kKvRing; ++s) {
+    if (c0 + 32 * s < c1)
+      kv_group_issue<D, kWarps>(ring + s * kv_slot_halves(HD), kc, vc, kv_dim, static_cast<int64_t>(g) * HD,
+                                c0 + 32 * s, c1, pos);
+    cp_async_commit();
+  }
   __shared__ bool last;
   const float* row = qkv;
-  if (rope_cs) {  // the token's table (rope_table)
-    for (int i = threadIdx.x; i < HD; i += blockDim.x) cs[i] = rope_cs[i];
+  if (rope_cs) {  // the token's table (rc above; HD <= blockDim)
+    if (static_cast<int>(threadIdx.x) < HD) cs[threadIdx.x] = rc;
   } else {
     for (int i = threadIdx.x; i < HD / 2; i += blockDim.x) rope_cos_sin(i, pos, rope, cs[i], sn[i]);
   }
@@ -447,10 +490,10 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
     }
     __syncthreads();
     MOE_TRACE_MARK(2);
-    // the warm pass covers the first group only: it issues no loads of a next one, so grp still holds the
-    // first group's rows for the real pass
-    attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, grp,
-                                     reinterpret_cast<__half*>(wacc), tc, m, l, acc);
+    // the warm pass covers the first group only and issues or commits nothing: the ring still holds the
+    // first group's rows (its `cur` row rewritten) for the real pass
+    attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, ring,
+                                     !warm, tc, m, l, acc);
   }
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;
@@ -483,14 +526,31 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   // writes before it; the last block's barrier orders its reads after it): a gpu-scope fence in every
   // thread before the add, and another in the last block, cost ~1 us per block (trace at 4096)
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int prev;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counters + g) : "memory");
-    last = prev == n_eff - 1;
-    if (last) counters[g] = 0;  // every block of the launch has added
+  // thread 0's add to counter c of n arrivals: whether this block is the last (which resets it)
+  auto arrive = [&](int* c, int n) {
+    if (threadIdx.x == 0) {
+      int prev;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(c) : "memory");
+      last = prev == n - 1;
+      if (last) *c = 0;  // every block of the launch has added
+    }
+    __syncthreads();
+    return last;
+  };
+  if ((tree_min > 0 && n_eff >= tree_min) || n_eff > kMergeMax) {  // two levels (launch.cuh: attention_leaf)
+    const int lg = attention_leaf_groups(n_split), n_grp = (n_eff + leaf - 1) / leaf;
+    const int q = sp / leaf, s0 = q * leaf;
+    float* grp_base = partials + (static_cast<int64_t>(n_head_kv) * n_split + static_cast<int64_t>(g) * lg) * G * PS;
+    if (!arrive(counters + n_head_kv + g * lg + q, min(leaf, n_eff - s0))) return;
+    merge_slices<HD, G>(part_base + static_cast<int64_t>(s0) * G * PS, nullptr, min(leaf, n_eff - s0), wacc, wl,
+                        grp_base + static_cast<int64_t>(q) * G * PS);
+    __syncthreads();  // the group's record is written (before thread 0's release)
+    if (!arrive(counters + g, n_grp)) return;
+    merge_slices<HD, G>(grp_base, out, n_grp, wacc, wl);
+    __syncthreads();
+    return;
   }
-  __syncthreads();
-  if (!last) return;
+  if (!arrive(counters + g, n_eff)) return;
   merge_slices<HD, G>(part_base, out, n_eff, wacc, wl);
   __syncthreads();
 }

@@ -100,6 +100,29 @@ struct AttSlices {
   int n_head_kv = 0, group = 0, head_dim = 0, n_split = 1, min_chunk = 32, defer = 0;
 };
 constexpr int attention_partial_stride(int head_dim) { return head_dim / 2 + 4; }  // 16-byte rows (head_dim % 8 == 0)
+// Contexts of many slices merge in two levels (attention_decode's `tree`): the last block of each run of
+// attention_leaf() slices merges them into a group partial (the same record: the group's normalised output in
+// fp16, its max and sum), and the last of those merges the groups, so that the merge after the slowest
+// slice reads at most a run of slices and n_split / run groups instead of every slice (at 4,096 positions
+// a single merge of 43 slices took ~6 us, three load batches each behind an L2 round trip).
+constexpr int kAttLeafMin = 4, kAttLeafMax = 16;
+constexpr int kAttMaxSplit = 128;  // attention_decode's n_split at most
+// groups (and their counters) the scratch holds room for: as many as the shortest run makes
+constexpr int attention_leaf_groups(int n_split) { return (n_split + kAttLeafMin - 1) / kAttLeafMin; }
+// attention_decode's scratch: partials (floats: every slice's record, then every group's) and counters
+// (ints: one per KV head, then one per KV head and group; zero before the first call, and every launch
+// leaves them zero).
+constexpr size_t attention_partials_floats(int n_head_kv, int n_split, int group, int head_dim) {
+  return static_cast<size_t>(n_head_kv) * (n_split + attention_leaf_groups(n_split)) * group *
+         attention_partial_stride(head_dim);
+}
+constexpr int attention_counter_ints(int n_head_kv, int n_split) {
+  return n_head_kv * (1 + attention_leaf_groups(n_split));
+}
+// The fewest slices merged in two levels (17 unless MOE_CUDA_ATT_TREE=n; 0: never; more than 64 always),
+// and the slices of a run (8 unless MOE_CUDA_ATT_LEAF=n, kAttLeafMin..kAttLeafMax).
+int attention_tree_min();
+int attention_leaf();
 // The decode attention's minimum slice length (32 positions; MOE_CUDA_ATT_CHUNK=n for experiments).
 int attention_min_chunk();
 
@@ -175,6 +198,7 @@ bool attention_supported(int n_head, int n_head_kv, int head_dim);
 // Decode (one token at pos0[0]): qk_norm_rope_store and attention in one launch. qkv holds the raw
 // [q | k | v] row (left unchanged); the KV cache row of the position is written; out as attention.
 // rope_cs: the position's table from rope_table, or null (each block then evaluates the angles).
+// partials and counters: attention_partials_floats and attention_counter_ints (above).
 cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float* q_norm, const float* k_norm, float eps,
                              Rope rope, void* k_cache, void* v_cache, int n_head, int n_head_kv, int head_dim,
                              int n_split, float* partials, int* counters, float* out, const float* rope_cs,

@@ -244,8 +244,10 @@ std::vector<size_t> CudaForward::scratch_sizes() const {
       B * K * F * f,                                        // act
       B * K * E * f,                                        // expert outputs
       B * V * f,                                            // logits
-      c_.n_head_kv * static_cast<size_t>(decode_splits()) * G * k::attention_partial_stride(static_cast<int>(c_.head_dim)) * f,  // partials
-      B * c_.n_head_kv * 4,                                 // counters
+      k::attention_partials_floats(static_cast<int>(c_.n_head_kv), decode_splits(), static_cast<int>(G),
+                                   static_cast<int>(c_.head_dim)) * f,  // the decode attention's partials
+      std::max(B * c_.n_head_kv, static_cast<size_t>(k::attention_counter_ints(static_cast<int>(c_.n_head_kv),
+                                                                               decode_splits()))) * 4,  // counters
       X * f,                                                // router logits (decode)
       64,                                                   // -, token, pos, prefill pos, argmax, barrier
       B * 4,                                                // prefill ids

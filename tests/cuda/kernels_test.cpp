@@ -820,10 +820,10 @@ TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
       std::vector<long long> sums[2];
       for (int defer : {0, k::kAttMaxDefer}) {
         Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), dx(x), dg(g);
-        Dev<float> partials(static_cast<size_t>(n_kv) * n_split * G * k::attention_partial_stride(hd));
+        Dev<float> partials(k::attention_partials_floats(n_kv, n_split, G, hd));
         Dev<uint16_t> dk(hk), dv(hv);
         Dev<int32_t> dpos(std::vector<int32_t>{past});
-        Dev<int> counters(std::vector<int>(n_kv, 0));
+        Dev<int> counters(std::vector<int>(k::attention_counter_ints(n_kv, n_split), 0));
         Dev<long long> acc(std::vector<long long>(X + 1, 0));
         Dev<float> ref(std::vector<float>{1.f});
         const k::RouterAcc ra = router_acc(acc.p, ref.p, X);
@@ -888,7 +888,8 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   for (int hd : {64, 128})
-    for (int past : {0, 70, 611, 2210})  // 2210: 35 slices of 64 (the merge's loads in three batches)
+    // 611: 20 slices, 2210: 35 of 64, 4100: 43 of 96 (three groups of 32 each; the merge in two levels)
+    for (int past : {0, 70, 611, 2210, 4100})
     for (int G : {8, 4, 2, 1}) {  // a full 8-head tile of the tensor-core steps, or zero-padded heads
       const int n_kv = 2, n_head = n_kv * G, ctx = std::max(700, past + 1);
       const int Q = n_head * hd, KV = n_kv * hd;
@@ -914,14 +915,14 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
       }
       moe::cuda::k::Rope rope;
       rope.theta_scale = theta_scale;
-      for (int n_split : {1, 5, 64})
+      for (int n_split : {1, 5, 64, 128})  // 128: contexts of more than 64 slices (4100) always in two levels
       for (bool table : {false, true}) {  // angles per block, or the position's rope_table
         SCOPED_TRACE(::testing::Message() << "hd " << hd << " past " << past << " G " << G << " n_split " << n_split
                                           << " table " << table);
-        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(static_cast<size_t>(n_kv) * n_split * G * k::attention_partial_stride(hd));
+        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(k::attention_partials_floats(n_kv, n_split, G, hd));
         Dev<uint16_t> dk(hk), dv(hv);
         Dev<int32_t> dpos(std::vector<int32_t>{past});
-        Dev<int> counters(std::vector<int>(n_kv, 0));
+        Dev<int> counters(std::vector<int>(k::attention_counter_ints(n_kv, n_split), 0));
         Dev<float> cs(std::vector<float>(hd, -7.f));
         if (table) ok(k::rope_table(dpos.p, 1, rope, hd, cs.p, nullptr));
         ok(k::attention_decode(dqkv.p, dpos.p, dqn.p, dkn.p, eps, rope, dk.p, dv.p, n_head, n_kv, hd, n_split,
@@ -929,10 +930,18 @@ TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
         ok(cudaDeviceSynchronize());
         std::vector<float> o = out.get();
         // several slices: each slice's normalised output passes through fp16 (AttSlices, launch.cuh), a
-        // weighted mean of cache rows rounded to 2^-11 of the largest |v| at most; one slice: fp32 only
+        // weighted mean of cache rows rounded to 2^-11 of the largest |v| at most, and with the two-level
+        // merge (attention_leaf) each group's merged output once more; one slice: fp32 only
         double slack = 0;
-        if (n_split > 1 && past + 1 > k::attention_min_chunk())
-          for (int i = 0; i < (past + 1) * KV; ++i) slack = std::max(slack, std::fabs(static_cast<double>(cv[i])) / 2048);
+        // the slices (dev::dec_slices): at least the minimum length, then whole 32-position groups
+        int chunk = (past + 1 + n_split - 1) / n_split;
+        if (n_split > 1) chunk = chunk < k::attention_min_chunk() ? k::attention_min_chunk() : (chunk + 31) / 32 * 32;
+        const int n_eff = (past + 1 + chunk - 1) / chunk;
+        const int tree = k::attention_tree_min();
+        const double rounding = n_eff > 1 && ((tree > 0 && n_eff >= tree) || n_eff > 64) ? 1024 : 2048;
+        if (n_eff > 1)
+          for (int i = 0; i < (past + 1) * KV; ++i)
+            slack = std::max(slack, std::fabs(static_cast<double>(cv[i])) / rounding);
         for (int h = 0; h < n_head; ++h) {
           const std::vector<double> want = attention_twin(&row[h * hd], ck, cv, KV, h / G, hd, past + 1);
           for (int d = 0; d < hd; ++d) ASSERT_NEAR(o[h * hd + d], want[d], 2e-4 + slack) << "head " << h << " dim " << d;
