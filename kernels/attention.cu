@@ -415,26 +415,17 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
 }
 
 int attention_tree_min() {
-  static const int v = [] {
-    const char* e = std::getenv("MOE_CUDA_ATT_TREE");
-    return e ? std::clamp(std::atoi(e), 0, 1 << 20) : 17;
-  }();
+  static const int v = env_int("MOE_CUDA_ATT_TREE", 17, 0, 1 << 20);
   return v;
 }
 
 int attention_leaf() {
-  static const int v = [] {
-    const char* e = std::getenv("MOE_CUDA_ATT_LEAF");
-    return e ? std::clamp(std::atoi(e), kAttLeafMin, kAttLeafMax) : 8;
-  }();
+  static const int v = env_int("MOE_CUDA_ATT_LEAF", 8, kAttLeafMin, kAttLeafMax);
   return v;
 }
 
 int attention_min_chunk() {
-  static const int v = [] {
-    const char* e = std::getenv("MOE_CUDA_ATT_CHUNK");
-    return e ? std::clamp(std::atoi(e), 1, 1 << 20) : kDecMinChunk;
-  }();
+  static const int v = env_int("MOE_CUDA_ATT_CHUNK", kDecMinChunk, 1, 1 << 20);
   return v;
 }
 

@@ -533,10 +533,7 @@ bool pdl_enabled() {
 }
 
 int carveout_pref() {
-  static const int v = [] {
-    const char* e = std::getenv("MOE_CUDA_CARVEOUT");
-    return e ? std::clamp(std::atoi(e), 0, 100) : -1;
-  }();
+  static const int v = env_int("MOE_CUDA_CARVEOUT", -1, 0, 100);
   return v;
 }
 

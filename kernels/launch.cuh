@@ -37,6 +37,13 @@ inline bool env_switch(const char* name, bool default_on) {
   const char* v = std::getenv(name);
   return default_on ? !(v && v[0] == '0') : (v && v[0] == '1');
 }
+// A number from the environment, clamped to [lo, hi]; `otherwise` when NAME is unset.
+inline int env_int(const char* name, int otherwise, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (!v) return otherwise;
+  const int n = std::atoi(v);
+  return n < lo ? lo : n > hi ? hi : n;
+}
 
 // Sets the shared-memory limits of the kernels that may need more than 48 KiB.
 cudaError_t init_kernels();

@@ -69,10 +69,7 @@ class CudaForward final : public Forward {
   // Cache rows per layer that the Q/K/V GEMV sends to L2 for the decode attention (MOE_CUDA_KV_PREFETCH,
   // default 128: the rows whose reads are latency, not bandwidth; 0 turns it off).
   static int kv_prefetch_rows() {
-    static const int rows = [] {
-      const char* v = std::getenv("MOE_CUDA_KV_PREFETCH");
-      return v ? std::max(0, std::atoi(v)) : 128;
-    }();
+    static const int rows = k::env_int("MOE_CUDA_KV_PREFETCH", 128, 0, 1 << 30);
     return rows;
   }
 

@@ -18,10 +18,8 @@ bool CudaForward::fused_router() const {
 }
 
 int CudaForward::decode_splits() const {
-  static const int per_sm = [] {  // MOE_CUDA_ATT_SPLIT_SM=1..3: slice blocks per SM at long contexts
-    const char* e = std::getenv("MOE_CUDA_ATT_SPLIT_SM");
-    return e ? std::clamp(std::atoi(e), 1, 3) : 3;
-  }();
+  // MOE_CUDA_ATT_SPLIT_SM=1..3: slice blocks per SM at long contexts
+  static const int per_sm = k::env_int("MOE_CUDA_ATT_SPLIT_SM", 3, 1, 3);
   const int want = (per_sm * k::sm_count() + static_cast<int>(c_.n_head_kv) - 1) / static_cast<int>(c_.n_head_kv);
   return std::clamp(want, 1, k::kAttMaxSplit);
 }
