@@ -27,6 +27,21 @@ using namespace tc;
 
 namespace {
 
+// Shared memory of the kernels with weight rows in shared memory: the staged input (n elements), then
+// the rows.
+__host__ __device__ inline size_t rows_smem_offset(int n) { return (xq_smem(n) + 127) / 128 * 128; }
+constexpr size_t kTcMaxSmem = 200 * 1024;  // tc_init's MaxDynamicSharedMemorySize
+
+// This block's 1/gridDim share of region i of an L2Ahead to L2 (one bulk prefetch).
+__device__ __forceinline__ void send_ahead_share(const L2Ahead& ahead, int i) {
+  if (!ahead.base[i]) return;
+  const int64_t bytes = ahead.bytes[i];
+  const int64_t chunk = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~int64_t{15};
+  const int64_t o = blockIdx.x * chunk;
+  if (o < bytes)
+    bulk_prefetch_l2(static_cast<const uint8_t*>(ahead.base[i]) + o, static_cast<uint32_t>(min(chunk, bytes - o)));
+}
+
 // ---- dense: up to three matrices sharing x ------------------------------------------------------------
 // A block stages x once and then runs 16-row tiles blockIdx.x, + gridDim.x, ...: one tile per block for
 // the per-layer matrices (their tile counts fit one wave), many for the LM head, whose 9,496 tiles would
@@ -164,16 +179,19 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
   }
 }
 
-template <uint32_t T, bool kPipe, int kW>
+// kSm: the tile's rows are in shared memory at srows (16 rows' room, the tile's first row first).
+template <uint32_t T, bool kPipe, int kW, bool kSm = false>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
                                              float (*part)[16], bool route, const RouterCols& rc, float* s_y,
-                                             float ref) {
+                                             float ref, const uint8_t* srows = nullptr) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-  const uint8_t* rg = W.data + min(r0 + g, W.rows - 1) * W.row_stride;
-  const uint8_t* r8 = W.data + min(r0 + g + 8, W.rows - 1) * W.row_stride;
+  const uint8_t* base = kSm ? srows : W.data;
+  const int rel = kSm ? 0 : r0, last = kSm ? min(16, W.rows - r0) - 1 : W.rows - 1;
+  const uint8_t* rg = base + min(rel + g, last) * W.row_stride;
+  const uint8_t* r8 = base + min(rel + g + 8, last) * W.row_stride;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T, kPipe>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, kW, xq,
-                   acc);
+  tile16<T, kPipe, kSm>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, kW,
+                        xq, acc);
   MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
@@ -299,9 +317,11 @@ struct LmPipe {
 // in registers). LM head 100-106 vs 112-113 us per token (trace), then ~76 with LmPipe.
 // kW: warps per block: 16 for the O projection with the routing (one super-block each of its 4,096
 // columns, staging and tail shorter: BM_Decode/0 496.2-499.7 vs 492.5-494.8 tok/s with 8 warps).
-template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW>
+// kSm: the block's first tile comes into shared memory by one bulk copy before the wait (instead of its
+// bulk prefetch to L2), and its MMAs read it there (tc_gemv: when it fits; MOE_CUDA_GEMV_SMEM=0 off).
+template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW, bool kSm = false>
 __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kW][16];
   __shared__ float s_y[16];
@@ -324,7 +344,18 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   if (route && blockIdx.x < total) load_router_cols(a, a.outs[0].W.rows, blockIdx.x * 16, rc);
   // the weights and the KV-cache rows of earlier positions do not depend on the previous kernel: with
   // programmatic dependent launch they go to L2 while it runs
-  prefetch(blockIdx.x);
+  __shared__ uint64_t bar;
+  uint8_t* srows = smem + rows_smem_offset(a.cols);
+  if (kSm && threadIdx.x == 0 && blockIdx.x < total) {  // the others wait on it after barriers
+    int m;
+    const int r = find(blockIdx.x, m);
+    const Mat& W = a.outs[m].W;
+    const uint32_t bytes = static_cast<uint32_t>(min(16, W.rows - r) * W.row_stride);
+    mbar_init(&bar, 1);
+    mbar_arrive_tx(&bar, bytes);
+    bulk_copy_g2s(srows, W.data + r * W.row_stride, bytes, &bar);
+  }
+  if (!kSm) prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
   // the warp-tile kernel's first super-blocks go to shared memory now (LmPipe)
   const uint32_t lm_type = kWarpTiles && a.lm_pipe ? a.outs[0].W.type : 0u;
@@ -398,6 +429,23 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
       const Mat& W = a.outs[m].W;
       if (route && tile != blockIdx.x) load_router_cols(a, W.rows, r0, rc);
       float* y = a.outs[m].y;
+      if (kSm && tile == blockIdx.x) {
+        mbar_wait(&bar, 0);
+        MOE_TRACE_MARK(5);
+        switch (W.type) {
+          case layout::Q4_K:
+            tc_gemv_tile<layout::Q4_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows);
+            break;
+          case layout::Q5_K:
+            tc_gemv_tile<layout::Q5_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows);
+            break;
+          case layout::Q6_K:
+            tc_gemv_tile<layout::Q6_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows);
+            break;
+          default: break;
+        }
+        continue;
+      }
       switch (W.type) {
         case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
         case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
@@ -543,89 +591,130 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
 // one each, loaded at once; 12 warps with two each and the second's loads pipelined measured the same or
 // slower: 496.1-496.7 vs 496.2-499.7 tok/s with the 16-warp O projection); x[r] += Σ_j w_j D_e(j).row(r)·act_j.
 // One block per SM (the grid is 2,048 / 16 = 128), 77 registers.
+// kSm: the tile's rows of each chosen expert (16 consecutive rows, one piece per expert) come into shared
+// memory by bulk copies (bulk_copy_g2s) as soon as the block knows the ids, before its wait when the
+// early hint names them, and the MMAs read them there; otherwise (rows too large for shared memory, or
+// MOE_CUDA_DOWN_SMEM=0) the rows go to L2 (bulk_prefetch_l2) and the MMAs load them from global memory.
 constexpr int kDownWarps = 24;
-template <uint32_t T>
+template <uint32_t T, bool kSm>
 __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, const int32_t* ids, const float* weights,
-                                             int n_used, float* x, const XQ& xq, float* red, float (*part)[16],
-                                             int32_t* sid, float* sw, const EarlyIds& early) {
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
-  const int r0 = blockIdx.x * 16;
+                                             int n_used, float* x, const XQ& xq, uint8_t* srows, uint64_t* bar,
+                                             float* red, float (*part)[16], int32_t* sid, float* sw,
+                                             const EarlyIds& early) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, tid = threadIdx.x;
+  const int r0 = blockIdx.x * 16, nr = min(16, D.rows - r0);
   const int n = D.cols * n_used;
   const int64_t es = D.expert_stride;
   const int64_t og = min(r0 + g, D.rows - 1) * D.row_stride, o8 = min(r0 + g + 8, D.rows - 1) * D.row_stride;
   const int n_sb = D.cols / 256;
-  // this block's rows of expert id to L2
-  auto prefetch_rows = [&](int id) {
-    bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, static_cast<uint32_t>(min(16, D.rows - r0) * D.row_stride));
+  const uint32_t tile_bytes = static_cast<uint32_t>(nr * D.row_stride);
+  const int64_t slot_bytes = 16 * D.row_stride;
+  // this block's rows of expert id: to L2, or (kSm) into shared-memory slot s (an arrival on the barrier
+  // announcing the bytes, then the copy)
+  auto prefetch_rows = [&](int id) { bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, tile_bytes); };
+  auto fetch_rows = [&](int s, int id) {
+    mbar_arrive_tx(bar, tile_bytes);
+    bulk_copy_g2s(srows + s * slot_bytes, D.data + id * es + r0 * D.row_stride, tile_bytes, bar);
   };
+  __shared__ int s_refetch;
+  if constexpr (kSm) {
+    if (tid == 0) {
+      mbar_init(bar, n_used);  // a phase: one arrival per chosen expert
+      s_refetch = 0;
+    }
+    __syncthreads();
+  }
   // the gate/up kernel's ids, if its block 0 wrote them for this token and layer (EarlyIds): their rows
-  // to L2 before the wait. The tag, the position and the id in one round trip (a block that starts only
+  // now, before the wait. The tag, the position and the id in one round trip (a block that starts only
   // as the gate/up grid ends must not wait for three); an id read before its tag can only be older, and
-  // a wrong hint costs a prefetch.
+  // a wrong hint costs a copy.
   int early_id = -1;
-  if (early.tag && static_cast<int>(threadIdx.x) < n_used) {
-    const int tag = __ldcg(early.tag), p = __ldcg(early.pos), id = __ldcg(ids + threadIdx.x);
+  if (early.tag && tid < n_used) {
+    const int tag = __ldcg(early.tag), p = __ldcg(early.pos), id = __ldcg((early.hint ? early.hint : ids) + tid);
     if (tag == early_ids_tag(p, early.layer) && id >= 0) {
       early_id = id;
-      prefetch_rows(id);
+      if constexpr (kSm) fetch_rows(tid, id); else prefetch_rows(id);
     }
   }
   pdl_sync();
   XLoad<2> xl;
   stage_load<2>(act, n, nullptr, xl);
   MOE_TRACE_MARK(1);
-  // the routing comes from the gate/up kernel (its block 0): the tile's rows of each chosen expert
-  // (consecutive) go to L2 now, one bulk prefetch per expert. (Each block making the choice itself from
-  // o_proj_router's sums before the wait measured slower: 461-464 vs 476-477 tok/s.)
-  if (static_cast<int>(threadIdx.x) < n_used) {
-    const int id = ids[threadIdx.x];
-    sid[threadIdx.x] = id;
-    sw[threadIdx.x] = weights[threadIdx.x];
-    if (id != early_id) prefetch_rows(id);
+  // the routing comes from the gate/up kernel (its block 0): the rows of each chosen expert not fetched
+  // yet go out now. (Each block making the choice itself from o_proj_router's sums before the wait
+  // measured slower: 461-464 vs 476-477 tok/s.) kSm: a slot whose early copy holds another expert's rows
+  // (a stale hint) is fetched again once the first copies are in (below).
+  if (tid < n_used) {
+    const int id = ids[tid];
+    sid[tid] = id;
+    sw[tid] = weights[tid];
+    if (id != early_id) {
+      if constexpr (!kSm) prefetch_rows(id);
+      else if (early_id < 0) fetch_rows(tid, id);
+      else s_refetch = 1;
+    }
   }
   MOE_TRACE_MARK(2);
-  stage_finish<2>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw visible
+  stage_finish<2>(act, n, nullptr, 0.f, xl, xq, red);  // ends with a barrier: sid/sw (and s_refetch) visible
   MOE_TRACE_MARK(3);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile16<T, false>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; },
-                  n_used, n_sb, warp, kDownWarps, xq, acc);
+  if constexpr (kSm) {
+    uint32_t parity = 0;
+    if (s_refetch) {  // block-uniform; rare (a stale hint): every slot's first copy in, then a second phase
+      if (tid < n_used) {
+        mbar_wait(bar, 0);
+        if (sid[tid] != early_id) fetch_rows(tid, sid[tid]); else mbar_arrive(bar);
+      }
+      parity = 1;
+    }
+    mbar_wait(bar, parity);
+    MOE_TRACE_MARK(5);
+    const int64_t sg = min(g, nr - 1) * D.row_stride, s8 = min(g + 8, nr - 1) * D.row_stride;
+    tile16<T, false, true>([&](int s, int i) { return srows + s * slot_bytes + (i ? s8 : sg); },
+                           [&](int s) { return sw[s]; }, n_used, n_sb, warp, kDownWarps, xq, acc);
+  } else {
+    tile16<T, false>([&](int s, int i) { return D.data + sid[s] * es + (i ? o8 : og); }, [&](int s) { return sw[s]; },
+                     n_used, n_sb, warp, kDownWarps, xq, acc);
+  }
   MOE_TRACE_MARK(4);
   warp_rows_to_smem(acc, part[warp]);
   __syncthreads();
-  if (threadIdx.x < 16 && r0 + static_cast<int>(threadIdx.x) < D.rows) {
+  if (tid < 16 && r0 + tid < D.rows) {
     float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDownWarps; ++w) v += part[w][threadIdx.x];
-    x[r0 + threadIdx.x] += v;
+    for (int w = 0; w < kDownWarps; ++w) v += part[w][tid];
+    x[r0 + tid] += v;
   }
 }
 
 // ahead: before its wait, block b sends its share of the next layer's Q/K/V rows to L2 (launch.cuh).
+template <bool kSm>
 __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __grid_constant__ Mat D,
                                                                      const float* __restrict__ act,
                                                                      const int32_t* __restrict__ ids,
                                                                      const float* __restrict__ weights, int n_used,
                                                                      float* x, const __grid_constant__ L2Ahead ahead,
                                                                      const __grid_constant__ EarlyIds early) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kDownWarps][16];
   __shared__ int32_t sid[64];
   __shared__ float sw[64];
+  __shared__ uint64_t bar;
   MOE_TRACE_SCOPE(3);
-  if (threadIdx.x < 3 && ahead.base[threadIdx.x]) {
-    const int64_t bytes = ahead.bytes[threadIdx.x];
-    const int64_t chunk = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~int64_t{15};
-    const int64_t o = blockIdx.x * chunk;
-    if (o < bytes)
-      bulk_prefetch_l2(static_cast<const uint8_t*>(ahead.base[threadIdx.x]) + o,
-                       static_cast<uint32_t>(min(chunk, bytes - o)));
-  }
+  if (threadIdx.x < 3) send_ahead_share(ahead, threadIdx.x);
   const XQ xq = carve_xq(smem, D.cols * n_used);
+  uint8_t* srows = smem + rows_smem_offset(D.cols * n_used);
   switch (D.type) {
-    case layout::Q4_K: tc_down_body<layout::Q4_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw, early); break;
-    case layout::Q5_K: tc_down_body<layout::Q5_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw, early); break;
-    case layout::Q6_K: tc_down_body<layout::Q6_K>(D, act, ids, weights, n_used, x, xq, red, part, sid, sw, early); break;
+    case layout::Q4_K:
+      tc_down_body<layout::Q4_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early);
+      break;
+    case layout::Q5_K:
+      tc_down_body<layout::Q5_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early);
+      break;
+    case layout::Q6_K:
+      tc_down_body<layout::Q6_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early);
+      break;
     default: break;
   }
 }
@@ -639,7 +728,7 @@ bool tc_enabled() {
 }
 
 cudaError_t tc_init() {
-  const int big = 200 * 1024;
+  const int big = static_cast<int>(kTcMaxSmem);
   cudaError_t e;
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
@@ -649,8 +738,12 @@ cudaError_t tc_init() {
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<4, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gate_up_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
-  if ((e = cudaFuncSetAttribute(tc_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_down_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_down_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, true, false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, big))) return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, false, false, NW, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                big)))
+    return e;
   return cudaSuccess;
 }
 
@@ -677,6 +770,15 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   if (a.router && !two && a.cols <= 4096)  // 16 warps, one super-block each (see tc_gemv_kernel's kW)
     return launch_pdl(tc_gemv_kernel<2, true, false, 16>, grid, dim3(16 * 32), smem, s, a);
   if (a.router) return launch_pdl(two ? tc_gemv_kernel<2, true> : tc_gemv_kernel<4, true>, grid, block, smem, s, a);
+  // one tile per block (the Q/K/V GEMV): its rows through shared memory when they fit (MOE_CUDA_GEMV_SMEM=0:
+  // through L2). Not the O projection with the routing (the same measured 628.6-629.3 vs 628.0-628.3 tok/s
+  // from context 0 and 527.7-528.0 vs 521.2-521.7 at depth 4096 without), nor the R = 4 kernels (two
+  // register sets per warp already: they spill with both paths).
+  int64_t stride = 0;
+  for (int i = 0; i < a.n_outs; ++i) stride = std::max(stride, a.outs[i].W.row_stride);
+  const size_t with_rows = rows_smem_offset(a.cols) + 16 * static_cast<size_t>(stride);
+  if (two && env_switch("MOE_CUDA_GEMV_SMEM", true) && with_rows <= kTcMaxSmem)
+    return launch_pdl(tc_gemv_kernel<2, false, false, NW, true>, grid, block, with_rows, s, a);
   return launch_pdl(two ? tc_gemv_kernel<2, false> : tc_gemv_kernel<4, false>, grid, block, smem, s, a);
 }
 
@@ -688,6 +790,14 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
   return launch_pdl(tc_gate_up_kernel<false>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h,
                     static_cast<const float*>(nullptr), 0.f, logits, static_cast<const long long*>(nullptr),
                     static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{});
+}
+
+// ahead: bytes multiples of 16 (the host checks), as tc_down's
+L2Ahead checked_ahead(const L2Ahead* ahead) {
+  L2Ahead ah = ahead ? *ahead : L2Ahead{};
+  for (int i = 0; i < 3; ++i)
+    if (ah.bytes[i] <= 0 || ah.bytes[i] % 16 != 0) ah.base[i] = nullptr;  // bulk prefetches take multiples of 16
+  return ah;
 }
 
 cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
@@ -706,11 +816,15 @@ cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const fl
                     cudaStream_t s, const L2Ahead* ahead, const EarlyIds* early) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
-  L2Ahead ah = ahead ? *ahead : L2Ahead{};
-  for (int i = 0; i < 3; ++i)
-    if (ah.bytes[i] <= 0 || ah.bytes[i] % 16 != 0) ah.base[i] = nullptr;  // bulk prefetches take multiples of 16
-  return launch_pdl(tc_down_kernel, dim3((D.rows + 15) / 16), dim3(kDownWarps * 32), xq_smem(D.cols * n_used), s, D,
-                    act, ids, weights, n_used, x, ah, early ? *early : EarlyIds{});
+  const L2Ahead ah = checked_ahead(ahead);
+  // the rows through shared memory when they fit (MOE_CUDA_DOWN_SMEM=0: through L2, read at capture)
+  const int n = D.cols * n_used;
+  const size_t rows = static_cast<size_t>(n_used) * 16 * static_cast<size_t>(D.row_stride);
+  const bool sm = env_switch("MOE_CUDA_DOWN_SMEM", true) && rows_smem_offset(n) + rows <= kTcMaxSmem;
+  const dim3 grid((D.rows + 15) / 16), block(kDownWarps * 32);
+  const EarlyIds ea = early ? *early : EarlyIds{};
+  if (sm) return launch_pdl(tc_down_kernel<true>, grid, block, rows_smem_offset(n) + rows, s, D, act, ids, weights, n_used, x, ah, ea);
+  return launch_pdl(tc_down_kernel<false>, grid, block, xq_smem(n), s, D, act, ids, weights, n_used, x, ah, ea);
 }
 
 }  // namespace moe::cuda::k

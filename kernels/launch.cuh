@@ -161,6 +161,7 @@ struct EarlyIds {
   int* tag = nullptr;  // null: no hint
   const int32_t* pos = nullptr;
   int layer = 0;
+  const int32_t* hint = nullptr;  // the hint's ids (null: the ids themselves; tests point it elsewhere)
 };
 constexpr int early_ids_tag(int pos, int layer) { return (pos + 1) * 1024 + layer; }
 // expert_gate_up with the logits from o_proj_router's acc: h = rmsnorm(x) * norm_w staged in every

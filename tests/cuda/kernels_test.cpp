@@ -24,11 +24,13 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  // the K-quants run on the tensor cores by default; MOE_CUDA_TC=0 checks their SIMT kernels too
-  for (const char* tc : {"1", "0"})
+  // the K-quants run on the tensor cores by default, a block's tile through shared memory
+  // (MOE_CUDA_GEMV_SMEM=0: loaded from global memory); MOE_CUDA_TC=0 checks their SIMT kernels too
+  for (const char* mode : {"tc", "tc-global", "simt"})
   for (Type t : all_types()) {
-    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " MOE_CUDA_TC=" << tc);
-    setenv("MOE_CUDA_TC", tc, 1);
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " " << mode);
+    setenv("MOE_CUDA_TC", mode[0] == 't' ? "1" : "0", 1);
+    setenv("MOE_CUDA_GEMV_SMEM", std::string(mode) == "tc-global" ? "0" : "1", 1);
     const int64_t cols = cols_for(t, 768), rows = 37;
     QMatrix W(t, rows, cols, rng);
     std::vector<float> x = randn(cols, rng);
@@ -41,6 +43,7 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
       expect_close(y[r], dot(&W.deq[r * cols], x.data(), cols), abs_dot(&W.deq[r * cols], x.data(), cols), "gemv", r);
   }
   unsetenv("MOE_CUDA_TC");
+  unsetenv("MOE_CUDA_GEMV_SMEM");
 }
 
 // Matrices of more tiles than a wave of blocks (the LM head) run one tile per warp (kWarpTiles): every
@@ -430,8 +433,10 @@ TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
 
 // The chosen experts' ids as an early hint for the down kernel (k::EarlyIds): the gate/up kernel writes
 // the tag for its position and layer after the ids, and the down kernel's result is the same bits with
-// no hint, a fresh one, or a stale tag that names this position and layer over other experts' ids (a
-// hint only sends rows to L2).
+// no hint, a fresh one, a stale tag that names this position and layer over other experts' ids (a
+// hint only fetches rows), or a matching tag whose hint names other experts than the ids it then
+// reads (the rows fetched early into shared memory are fetched again); with the rows through shared
+// memory (MOE_CUDA_DOWN_SMEM, default) and through L2 alike.
 TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -443,38 +448,43 @@ TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
   QMatrix G(Type::Q4_K, X * F, n, rng), U(Type::Q4_K, X * F, n, rng), D(Type::Q6_K, X * n, F, rng);
   const std::vector<float> x = randn(n, rng, 2.f), o = randn(C, rng), g = randn(n, rng);
   std::vector<float> want;
-  for (int variant = 0; variant < 3; ++variant) {
-    SCOPED_TRACE(::testing::Message() << "variant " << variant);
-    Dev<float> dx(x), dO(o), dg(g), dw(K), act(K * F), ref(std::vector<float>{1.f});
-    Dev<long long> sums(std::vector<long long>(X + 1, 0));
-    Dev<int32_t> di(std::vector<int32_t>{X - 1, X - 2, X - 3, X - 4}), dpos(std::vector<int32_t>{pos});
-    Dev<int> tag(std::vector<int>{variant == 2 ? k::early_ids_tag(pos, layer) : 0});
-    const k::RouterAcc ra = router_acc(sums.p, ref.p, X);
-    k::EarlyIds early;
-    early.tag = tag.p;
-    early.pos = dpos.p;
-    early.layer = layer;
-    const k::EarlyIds* e = variant ? &early : nullptr;
-    ok(k::o_proj_router(O.mat(), dO.p, dx.p, R.mat(), dg.p, ra, nullptr));
-    if (variant == 2) {  // the down kernel alone first: it finds the stale tag over the preset ids
-      Dev<float> scratch(x);
-      ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, scratch.p, nullptr, nullptr, e));
+  for (const char* sm : {"1", "0"})
+    for (int variant = 0; variant < 4; ++variant) {
+      SCOPED_TRACE(::testing::Message() << "MOE_CUDA_DOWN_SMEM=" << sm << " variant " << variant);
+      setenv("MOE_CUDA_DOWN_SMEM", sm, 1);
+      Dev<float> dx(x), dO(o), dg(g), dw(K), act(K * F), ref(std::vector<float>{1.f});
+      Dev<long long> sums(std::vector<long long>(X + 1, 0));
+      Dev<int32_t> di(std::vector<int32_t>{X - 1, X - 2, X - 3, X - 4}), dpos(std::vector<int32_t>{pos});
+      Dev<int32_t> other(std::vector<int32_t>{0, 5, 10, 15});  // variant 3's hint
+      Dev<int> tag(std::vector<int>{variant >= 2 ? k::early_ids_tag(pos, layer) : 0});
+      const k::RouterAcc ra = router_acc(sums.p, ref.p, X);
+      k::EarlyIds early;
+      early.tag = tag.p;
+      early.pos = dpos.p;
+      early.layer = layer;
+      if (variant == 3) early.hint = other.p;
+      const k::EarlyIds* e = variant ? &early : nullptr;
+      ok(k::o_proj_router(O.mat(), dO.p, dx.p, R.mat(), dg.p, ra, nullptr));
+      if (variant == 2) {  // the down kernel alone first: it finds the stale tag over the preset ids
+        Dev<float> scratch(x);
+        ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, scratch.p, nullptr, nullptr, e));
+        ok(cudaDeviceSynchronize());
+      }
+      ok(k::expert_gate_up_acc(G.mat(F), U.mat(F), dx.p, dg.p, eps, ra, K, di.p, dw.p, act.p, nullptr, e));
+      ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, dx.p, nullptr, nullptr, e));
       ok(cudaDeviceSynchronize());
+      EXPECT_EQ(tag.get()[0], variant ? k::early_ids_tag(pos, layer) : 0);
+      const std::vector<float> got = dx.get();
+      if (want.empty()) {
+        want = got;
+        double moved = 0;
+        for (int r = 0; r < n; ++r) moved += std::fabs(got[r] - x[r]);
+        EXPECT_GT(moved, 0.0);
+      } else {
+        for (int r = 0; r < n; ++r) ASSERT_EQ(got[r], want[r]) << "x row " << r;
+      }
     }
-    ok(k::expert_gate_up_acc(G.mat(F), U.mat(F), dx.p, dg.p, eps, ra, K, di.p, dw.p, act.p, nullptr, e));
-    ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, dx.p, nullptr, nullptr, e));
-    ok(cudaDeviceSynchronize());
-    EXPECT_EQ(tag.get()[0], variant ? k::early_ids_tag(pos, layer) : 0);
-    const std::vector<float> got = dx.get();
-    if (variant == 0) {
-      want = got;
-      double moved = 0;
-      for (int r = 0; r < n; ++r) moved += std::fabs(got[r] - x[r]);
-      EXPECT_GT(moved, 0.0);
-    } else {
-      for (int r = 0; r < n; ++r) ASSERT_EQ(got[r], want[r]) << "x row " << r;
-    }
-  }
+  unsetenv("MOE_CUDA_DOWN_SMEM");
   k::EarlyIds bad;
   Dev<int> t(1);
   bad.tag = t.p;  // no position
