@@ -657,13 +657,13 @@ cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, 
 
 cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                                const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
-                               cudaStream_t s, const EarlyIds* early) {
+                               cudaStream_t s, const EarlyIds* early, const L2Ahead* ahead) {
   if (acc.n < 1 || acc.n > 256 || n_used < 1 || n_used > 64 || n_used > acc.n || !acc.acc || !acc.ref || !norm_w ||
       !tc_enabled() || !tc_type(G.type) || !tc_type(U.type) || G.cols != U.cols || G.rows != U.rows)
     return cudaErrorInvalidValue;
   if (cudaError_t e = ensure_init()) return e;
   if (!early_ids_ok(early)) return cudaErrorInvalidValue;
-  return tc_gate_up_acc(G, U, x, norm_w, eps, acc, n_used, ids, weights, act, s, early);
+  return tc_gate_up_acc(G, U, x, norm_w, eps, acc, n_used, ids, weights, act, s, early, ahead);
 }
 
 cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,

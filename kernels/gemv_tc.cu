@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
                                                          const long long* __restrict__ racc,
                                                          const float* __restrict__ ref, int n_expert, int n_used,
                                                          int32_t* ids_out, float* w_out, float* act,
-                                                         const __grid_constant__ EarlyIds early) {
+                                                         const __grid_constant__ EarlyIds early,
+                                                         const __grid_constant__ L2Ahead ahead) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[8][16];
@@ -521,6 +522,7 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   const int tiles = (G.rows + 15) / 16;
   const int j = blockIdx.x / tiles, r0 = (blockIdx.x - j * tiles) * 16;
   const XQ xq = carve_xq(smem, G.cols);
+  if (threadIdx.x < 3) send_ahead_share(ahead, threadIdx.x);  // the next layer's Q/K/V (launch.cuh: L2Ahead)
   pdl_sync();  // the router logits and h come from the previous kernel
   // kAcc: the sums' loads go out before x's, so that the ranking does not wait behind x (BM_Decode/0
   // +0.5 %, trace: the choice 2.65 vs 2.88 us)
@@ -789,7 +791,7 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
   const int tiles = (G.rows + 15) / 16;
   return launch_pdl(tc_gate_up_kernel<false>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h,
                     static_cast<const float*>(nullptr), 0.f, logits, static_cast<const long long*>(nullptr),
-                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{});
+                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{}, L2Ahead{});
 }
 
 // ahead: bytes multiples of 16 (the host checks), as tc_down's
@@ -802,14 +804,14 @@ L2Ahead checked_ahead(const L2Ahead* ahead) {
 
 cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                            const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s,
-                           const EarlyIds* early) {
+                           const EarlyIds* early, const L2Ahead* ahead) {
   static const cudaError_t init = tc_init();
   if (init != cudaSuccess) return init;
   const int tiles = (G.rows + 15) / 16;
   return launch_pdl(tc_gate_up_kernel<true>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, x, norm_w, eps,
                     static_cast<const float*>(nullptr), static_cast<const long long*>(acc.acc),
                     static_cast<const float*>(acc.ref), acc.n, n_used, ids, weights, act,
-                    early ? *early : EarlyIds{});
+                    early ? *early : EarlyIds{}, checked_ahead(ahead));
 }
 
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,

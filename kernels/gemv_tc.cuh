@@ -40,7 +40,7 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
                        int32_t* ids, float* weights, float* act, cudaStream_t s);
 cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                            const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s,
-                           const EarlyIds* early);
+                           const EarlyIds* early, const L2Ahead* ahead = nullptr);
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
                     cudaStream_t s, const L2Ahead* ahead, const EarlyIds* early);
 

@@ -169,7 +169,8 @@ constexpr int early_ids_tag(int pos, int layer) { return (pos + 1) * 1024 + laye
 // weights as expert_gate_up's.
 cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                                const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
-                               cudaStream_t s, const EarlyIds* early = nullptr);
+                               cudaStream_t s, const EarlyIds* early = nullptr,
+                               const L2Ahead* ahead = nullptr);
 
 // MoE routing for one token, first half: h = rmsnorm(x) * norm_w (written to h_out) and the router
 // logits = R·h (R.rows floats). The experts are chosen by expert_gate_up.

@@ -198,6 +198,7 @@ class CudaForward final : public Forward {
   bool fused_router_ = false;
   k::AttSlices att_;  // the attention's slices the O projection merges (att_slices)
   bool early_ids_ = true;  // the down kernel's early expert-row prefetch (k::EarlyIds)
+  bool ahead_at_gate_up_ = true;  // the next layer's Q/K/V to L2 from the gate/up kernel (MOE_CUDA_AHEAD_AT)
   k::RouterAcc racc_;
   struct {
     void* ptr = nullptr;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "forward.hpp"
@@ -61,8 +62,10 @@ void CudaForward::enqueue_decode(bool greedy) {
     kv.pos = pos_;
     kv.row_bytes = KV * 2;
     kv.max_rows = kv_prefetch_rows();
-    // Q/K/V rows: sent to L2 by the previous layer's down kernel (see below), else prefetched by the GEMV
-    const bool qkv_in_l2 = l > 0 && k::expert_down_sends_ahead(layers_[l - 1].down);
+    // Q/K/V rows: sent to L2 by the previous layer's gate/up or down kernel (see below), else prefetched by
+    // the GEMV
+    const bool qkv_in_l2 =
+        l > 0 && ((fused_router_ && ahead_at_gate_up_) || k::expert_down_sends_ahead(layers_[l - 1].down));
     check(k::gemv(qkv, 3, x_, L.attn_norm, eps, false, stream_, kv.max_rows > 0 ? &kv : nullptr,
                   fused_router_ ? &racc_ : nullptr, qkv_in_l2),
           step);
@@ -78,21 +81,11 @@ void CudaForward::enqueue_decode(bool greedy) {
       early.pos = pos_;
       early.layer = static_cast<int>(l);
     }
-    if (fused_router_) {  // the router's sums in the O projection, the choice in the gate/up blocks
-      check(k::o_proj_router(L.o, o_, x_, L.router, L.ffn_norm, racc_, stream_, &att_), step);
-      check(k::expert_gate_up_acc(L.gate, L.up, x_, L.ffn_norm, eps, racc_, K, ids_, wts_, act_, stream_,
-                                  early.tag ? &early : nullptr),
-            step);
-    } else {
-      k::GemvOut out{L.o, x_};
-      check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
-      check(k::route_token(x_, L.ffn_norm, eps, L.router, h_, route_logits_, stream_), step);
-      check(k::expert_gate_up(L.gate, L.up, h_, route_logits_, static_cast<int>(c_.n_expert), K, ids_, wts_, act_,
-                              stream_),
-            step);
-    }
-    // the next layer's Q/K/V rows go to L2 from the down kernel's blocks: the Q/K/V GEMV's blocks can start
-    // only as the down blocks leave the SMs, and their own prefetch then delayed their loads of x
+    // the next layer's Q/K/V rows go to L2 from the gate/up kernel's blocks at their start, before their wait,
+    // while the DRAM is idle (the router sums, the choice): BM_Decode/0 638.6-639.2 vs 628.0-628.3 tok/s
+    // sending them from the down kernel's blocks (MOE_CUDA_AHEAD_AT=down), where they met the down rows'
+    // traffic. (Not from the Q/K/V GEMV itself: its blocks can start only as the down blocks leave the SMs,
+    // and their own prefetch then delayed their loads of x.)
     k::L2Ahead next;
     if (l + 1 < layers_.size()) {
       const DevLayer& N = layers_[l + 1];
@@ -102,7 +95,22 @@ void CudaForward::enqueue_decode(bool greedy) {
         next.bytes[i] = m3[i]->rows * m3[i]->row_stride;
       }
     }
-    check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_, l + 1 < layers_.size() ? &next : nullptr,
+    const k::L2Ahead* ahead = l + 1 < layers_.size() ? &next : nullptr;
+    const bool ahead_in_gate_up = fused_router_ && ahead_at_gate_up_;
+    if (fused_router_) {  // the router's sums in the O projection, the choice in the gate/up blocks
+      check(k::o_proj_router(L.o, o_, x_, L.router, L.ffn_norm, racc_, stream_, &att_), step);
+      check(k::expert_gate_up_acc(L.gate, L.up, x_, L.ffn_norm, eps, racc_, K, ids_, wts_, act_, stream_,
+                                  early.tag ? &early : nullptr, ahead_in_gate_up ? ahead : nullptr),
+            step);
+    } else {
+      k::GemvOut out{L.o, x_};
+      check(k::gemv(&out, 1, o_, nullptr, 0.f, true, stream_), step);
+      check(k::route_token(x_, L.ffn_norm, eps, L.router, h_, route_logits_, stream_), step);
+      check(k::expert_gate_up(L.gate, L.up, h_, route_logits_, static_cast<int>(c_.n_expert), K, ids_, wts_, act_,
+                              stream_),
+            step);
+    }
+    check(k::expert_down_add(L.down, act_, ids_, wts_, K, x_, stream_, ahead_in_gate_up ? nullptr : ahead,
                              early.tag ? &early : nullptr),
           step);
   }
@@ -183,6 +191,10 @@ void CudaForward::capture() {
   fused_router_ = fused_router();
   att_ = att_slices();
   early_ids_ = k::env_switch("MOE_CUDA_EARLY_IDS", true);
+  ahead_at_gate_up_ = [] {  // MOE_CUDA_AHEAD_AT=down: from the down kernel, as before
+    const char* v = std::getenv("MOE_CUDA_AHEAD_AT");
+    return !(v && std::string(v) == "down");
+  }();
   setup_persist();
   if (use_persist_) {
     try {
