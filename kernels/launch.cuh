@@ -145,18 +145,19 @@ struct L2Ahead {
 cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                  cudaStream_t s, const L2Hint* hint = nullptr, const RouterAcc* prep = nullptr,
                  bool weights_in_l2 = false);
-// weights_in_l2: an earlier kernel sent the matrices to L2 (expert_down_add's `ahead`): the tensor-core
-// GEMV does not prefetch them itself.
+// weights_in_l2: an earlier kernel sent the matrices to L2 (expert_gate_up_acc's or expert_down_add's
+// `ahead`): the tensor-core GEMV does not prefetch them itself (its one-tile kernel copies its tile into
+// shared memory before its wait either way, gemv_tc.cu).
 // x += O·o, acc[c] += Σ_r R[c][r] norm_w[r] x[r] and acc[n] += Σ_r x[r]² over the new x (units as above).
 // att (when given and att->defer > 0): o is the attention's output unless it left slices to merge (above).
 cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
                           const RouterAcc& acc, cudaStream_t s, const AttSlices* att = nullptr);
 // The chosen experts' ids as an early hint for the down kernel: the gate/up kernel's block 0 writes the
 // ids, then *tag = early_ids_tag(pos[0], layer) (release); each down block reads the tag before its wait
-// for the gate/up grid and, when it matches, sends its rows of those experts to L2 right away (the
-// gate/up grid's last blocks are still running; its ids were written long before). A hint only: the
-// down kernel multiplies with the ids it reads after its wait, so a stale or missing tag costs at
-// most a prefetch. Layers < 1024.
+// for the gate/up grid and, when it matches, fetches its rows of those experts right away (into shared
+// memory, or to L2; the gate/up grid's last blocks are still running, its ids were written long before).
+// A hint only: the down kernel multiplies with the ids it reads after its wait, so a stale or missing tag
+// costs at most a copy. Layers < 1024.
 struct EarlyIds {
   int* tag = nullptr;  // null: no hint
   const int32_t* pos = nullptr;
@@ -166,7 +167,7 @@ struct EarlyIds {
 constexpr int early_ids_tag(int pos, int layer) { return (pos + 1) * 1024 + layer; }
 // expert_gate_up with the logits from o_proj_router's acc: h = rmsnorm(x) * norm_w staged in every
 // block with 1/rms = (acc[n] 2^-32 ref² / n_x + eps)^-1/2, logits = acc[c] 2^-32 ref / rms; the choice and
-// weights as expert_gate_up's.
+// weights as expert_gate_up's. ahead: its blocks send their share to L2 at their start (L2Ahead).
 cudaError_t expert_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                                const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act,
                                cudaStream_t s, const EarlyIds* early = nullptr,
