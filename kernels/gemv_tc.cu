@@ -794,13 +794,16 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
                     static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{}, L2Ahead{});
 }
 
-// ahead: bytes multiples of 16 (the host checks), as tc_down's
+namespace {
+// An L2Ahead for a kernel: regions whose size is not a positive multiple of 16 dropped (bulk prefetches take
+// multiples of 16).
 L2Ahead checked_ahead(const L2Ahead* ahead) {
   L2Ahead ah = ahead ? *ahead : L2Ahead{};
   for (int i = 0; i < 3; ++i)
-    if (ah.bytes[i] <= 0 || ah.bytes[i] % 16 != 0) ah.base[i] = nullptr;  // bulk prefetches take multiples of 16
+    if (ah.bytes[i] <= 0 || ah.bytes[i] % 16 != 0) ah.base[i] = nullptr;
   return ah;
 }
+}  // namespace
 
 cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const float* norm_w, float eps,
                            const RouterAcc& acc, int n_used, int32_t* ids, float* weights, float* act, cudaStream_t s,
@@ -822,11 +825,11 @@ cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const fl
   // the rows through shared memory when they fit (MOE_CUDA_DOWN_SMEM=0: through L2, read at capture)
   const int n = D.cols * n_used;
   const size_t rows = static_cast<size_t>(n_used) * 16 * static_cast<size_t>(D.row_stride);
-  const bool sm = env_switch("MOE_CUDA_DOWN_SMEM", true) && rows_smem_offset(n) + rows <= kTcMaxSmem;
-  const dim3 grid((D.rows + 15) / 16), block(kDownWarps * 32);
-  const EarlyIds ea = early ? *early : EarlyIds{};
-  if (sm) return launch_pdl(tc_down_kernel<true>, grid, block, rows_smem_offset(n) + rows, s, D, act, ids, weights, n_used, x, ah, ea);
-  return launch_pdl(tc_down_kernel<false>, grid, block, xq_smem(n), s, D, act, ids, weights, n_used, x, ah, ea);
+  const size_t with_rows = rows_smem_offset(n) + rows;
+  const bool sm = env_switch("MOE_CUDA_DOWN_SMEM", true) && with_rows <= kTcMaxSmem;
+  return launch_pdl(sm ? tc_down_kernel<true> : tc_down_kernel<false>, dim3((D.rows + 15) / 16),
+                    dim3(kDownWarps * 32), sm ? with_rows : xq_smem(n), s, D, act, ids, weights, n_used, x, ah,
+                    early ? *early : EarlyIds{});
 }
 
 }  // namespace moe::cuda::k
