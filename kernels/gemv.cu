@@ -418,7 +418,8 @@ __global__ void __launch_bounds__(kThreads, 2) expert_gate_up_kernel(Mat G, Mat 
                                                                   float* act) {
   extern __shared__ float4 smem4[];
   __shared__ float red[32];
-  __shared__ float s_logit[kMaxExperts], s_w[64];
+  __shared__ __align__(16) float s_logit[kMaxExperts];
+  __shared__ float s_w[64];
   __shared__ int32_t ids[64];
   float* xs = reinterpret_cast<float*>(smem4);
   float* sum16 = xs + G.cols;

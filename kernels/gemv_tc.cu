@@ -485,7 +485,7 @@ __device__ __forceinline__ void choose_from_sums(const SumsLoad& l, int n, int n
     *s_unit = rf * kFixedUnitInv;
   }
   if (static_cast<int>(threadIdx.x) < n) s_logit[threadIdx.x] = __ll2float_rn(l.v);
-  if (static_cast<int>(threadIdx.x) < n_used) s_id[threadIdx.x] = 0;  // a valid id even for NaN sums
+  if (static_cast<int>(threadIdx.x) < n_used) s_id[threadIdx.x] = -1;  // rank_experts' free slots
   __syncthreads();
   MOE_TRACE_MARK(6);
   rank_experts(s_logit, n, n_used, s_id, s_w);
@@ -515,7 +515,8 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[8][16];
-  __shared__ float s_logit[kMaxExperts], s_w[64];
+  __shared__ __align__(16) float s_logit[kMaxExperts];
+  __shared__ float s_w[64];
   __shared__ int32_t s_id[64];
   MOE_TRACE_SCOPE(2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;

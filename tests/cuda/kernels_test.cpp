@@ -393,19 +393,22 @@ TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
 }
 
 // The expert choice inside the gate/up kernel, for several expert counts. Logits on a coarse grid, so
-// that many tie: the lowest id among equal logits must win, as in the twin.
+// that many tie (the lowest id among equal logits must win, as in the twin: the ranking's exact
+// fallback), and fine ones (its count of the greater logits alone, no tie among the chosen).
 TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   const int E = 256;
+  for (bool coarse : {true, false})
   for (int X : {9, 40, 127, 128, 129, 300})
     for (int K : {1, 3, 8}) {
-      SCOPED_TRACE(::testing::Message() << X << " experts, " << K << " chosen");
+      SCOPED_TRACE(::testing::Message() << X << " experts, " << K << " chosen, " << (coarse ? "ties" : "fine"));
       QMatrix G(Type::Q4_K, X * 16, E, rng), U(Type::Q4_K, X * 16, E, rng);
       std::vector<float> logits = randn(X, rng, 2.f), h = randn(E, rng);
-      for (float& l : logits) l = std::round(l * 2.f) / 2.f;  // steps of 0.5: ties
+      if (coarse)
+        for (float& l : logits) l = std::round(l * 2.f) / 2.f;  // steps of 0.5: ties, +0 and -0 among them
       std::vector<int> ids;
       std::vector<float> wt;
       route_cpu(logits, K, ids, wt);
