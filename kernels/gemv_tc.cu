@@ -118,8 +118,32 @@ __device__ __forceinline__ int deferred_slices(const AttSlices& at, int pos) {
 // (O_s: the slice's normalised output, fp16), with the same operations in the same order as the
 // attention's merge (attention_decode_item), so the same floats. Lane s < n loads slice s's m and L;
 // every slice's four fp16 values go out at once (one round trip).
+// Where each float4 of x comes from in the slices (a head's first slice record, the element in the head):
+// thread-index arithmetic with divisions, done before the wait (slice_at) rather than on the loads' path.
 template <int R>
-__device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, int cols, XLoad<R>& l) {
+struct SliceAt {
+  const float* p[R];  // null: past the columns
+  int d[R];
+};
+template <int R>
+__device__ __forceinline__ void slice_at(const AttSlices& at, int cols, SliceAt<R>& sa) {
+  const int groups = cols >> 8, nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int HD = at.head_dim, G = at.group, PS = attention_partial_stride(HD);
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    const int g = warp + (k >> 1) * nw, e = 4 * (g * 64 + (k & 1) * 32 + lane);
+    sa.p[k] = nullptr;
+    sa.d[k] = 0;
+    if (g < groups) {
+      const int h = e / HD, kv = h / G, hl = h - kv * G;
+      sa.d[k] = e - h * HD;
+      sa.p[k] = at.partials + (static_cast<int64_t>(kv) * at.n_split * G + hl) * PS;
+    }
+  }
+}
+template <int R>
+__device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, int cols, const SliceAt<R>& sa,
+                                                  XLoad<R>& l) {
   constexpr int NM = kAttMaxDefer;
   const int groups = cols >> 8, nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int HD = at.head_dim, G = at.group, PS = attention_partial_stride(HD);
@@ -128,12 +152,11 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
   uint2 pv[R][NM];  // four fp16 values
 #pragma unroll
   for (int k = 0; k < R; ++k) {
-    const int g = warp + (k >> 1) * nw, e = 4 * (g * 64 + (k & 1) * 32 + lane);
     mv[k] = -INFINITY;
     lv[k] = 0.f;
-    if (g < groups) {
-      const int h = e / HD, d = e - h * HD, kv = h / G, hl = h - kv * G;
-      const float* p = at.partials + (static_cast<int64_t>(kv) * at.n_split * G + hl) * PS;
+    if (sa.p[k]) {
+      const float* p = sa.p[k];
+      const int d = sa.d[k];
       if (lane < n) {
         mv[k] = __ldcg(p + lane * ss + HD / 2);
         lv[k] = __ldcg(p + lane * ss + HD / 2 + 1);
@@ -370,11 +393,13 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   // the decode position (for the attention's deferred slices) does not come from the previous kernel
   // (deferred slices only up to 4,096 columns, R = 2: o_proj_router; the merge's code stays out of R = 4)
   const int slices = kRoute && R == 2 && a.att.defer > 1 ? deferred_slices(a.att, __ldcg(a.att.pos)) : 0;
+  SliceAt<R> sa;
+  if (slices) slice_at<R>(a.att, a.cols, sa);
   pdl_sync();
   XLoad<R> xl;
   if constexpr (R == 2) {
     if (slices)
-      stage_load_slices<R>(a.att, slices, a.cols, xl);
+      stage_load_slices<R>(a.att, slices, a.cols, sa, xl);
     else
       stage_load<R>(a.x, a.cols, a.norm_w, xl);
   } else {

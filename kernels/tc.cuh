@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace moe::cuda::k::tc {
 using namespace dev;
@@ -35,32 +36,27 @@ __device__ __forceinline__ XQ carve_xq(void* smem, int n) {
   return x;
 }
 
-__device__ __forceinline__ uint32_t pack_s8(int a, int b, int c, int d) {
-  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-}
-// Lowest signed base-256 digit of v (in [-128, 127]); (v - digit) is a multiple of 256.
-__device__ __forceinline__ int low_digit(int v) { return ((v + 128) & 255) - 128; }
-
 // Quantizes float4 index i (elements 4i..4i+3, already normalised) given its group's 1/s; writes the
 // B registers and the 16-element sums. Called by every lane of a warp together (the sums reduce over
 // 4 consecutive lanes).
 __device__ __forceinline__ void emit_xq(int i, float4 v, float inv, const XQ& xq) {
   int X[4] = {__float2int_rn(v.x * inv), __float2int_rn(v.y * inv), __float2int_rn(v.z * inv),
               __float2int_rn(v.w * inv)};
-  int da[4], db[4], dc[4];
+  // X + 0x808080 (in [0, 2^24) for |X| <= 8323072) holds the three signed base-256 digits + 128 in its
+  // bytes 0 (Xc), 1 (Xb) and 2 (Xa), and a biased byte ^ 0x80 is the digit's int8 pattern: two byte
+  // permutes per pair of elements gather a digit (a third of the instructions of peeling them off)
+  uint32_t U[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     X[e] = max(-8323072, min(8323072, X[e]));
-    dc[e] = low_digit(X[e]);
-    const int r = (X[e] - dc[e]) >> 8;
-    db[e] = low_digit(r);
-    da[e] = (r - db[e]) >> 8;
+    U[e] = static_cast<uint32_t>(X[e] + 0x808080);
   }
+  auto digit = [&](int b) { return i8::pack_byte(U[0], U[1], U[2], U[3], b) ^ 0x80808080u; };
   const int j = i >> 3, p = i & 7, t = p >> 1, half = p & 1;  // elements 32j + 8t + 4 half..
   uint32_t* q32 = reinterpret_cast<uint32_t*>(xq.q);
-  q32[((j * 3 + 0) * 4 + t) * 2 + half] = pack_s8(da[0], da[1], da[2], da[3]);
-  q32[((j * 3 + 1) * 4 + t) * 2 + half] = pack_s8(db[0], db[1], db[2], db[3]);
-  q32[((j * 3 + 2) * 4 + t) * 2 + half] = pack_s8(dc[0], dc[1], dc[2], dc[3]);
+  q32[((j * 3 + 0) * 4 + t) * 2 + half] = digit(2);
+  q32[((j * 3 + 1) * 4 + t) * 2 + half] = digit(1);
+  q32[((j * 3 + 2) * 4 + t) * 2 + half] = digit(0);
   int s = (X[0] + X[1]) + (X[2] + X[3]);
   s += __shfl_xor_sync(0xffffffffu, s, 1);
   s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -259,6 +255,17 @@ __device__ __forceinline__ float half_hi(uint32_t w) {
 }
 __device__ __forceinline__ int u8_at(uint32_t w, int byte) { return static_cast<int>((w >> (8 * byte)) & 0xFFu); }
 __device__ __forceinline__ int s8_at(uint32_t w, int shift) { return static_cast<int8_t>(w >> shift); }
+// prmt's selector that moves byte b (0-3, known only at run time) of a word to byte 0, sign-extended: one
+// instruction per extraction (s8_sel), where a shift by a register and a sign extension take two.
+__device__ __forceinline__ uint32_t s8_selector(int b) {
+  const uint32_t c = 8u | static_cast<uint32_t>(b);
+  return static_cast<uint32_t>(b) | c << 4 | c << 8 | c << 12;
+}
+__device__ __forceinline__ int s8_sel(uint32_t w, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(sel));
+  return static_cast<int>(r);
+}
 
 // The eight 6-bit scales (sc[0]: sub-blocks 0-3, sc[1]: 4-7) and minimums of a Q4_K/Q5_K header.
 __device__ __forceinline__ void kq_scales(const uint4& hd, uint32_t (&sc)[2], uint32_t (&mn)[2]) {
@@ -283,6 +290,9 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
   const int s0 = sbg * 8;  // first 32-element group
   const float f = w * xq.scale[sbg];
   const int4 xs = *reinterpret_cast<const int4*>(xq.sum16 + s0 * 2 + 4 * t);
+  // this lane's B registers of the super-block's first group (digit min(g, 2), t); group j's are 12 uint2
+  // further: a compile-time offset (indexing xq.q with the whole expression cost ~5 instructions a load)
+  const uint2* xb = xq.q + (s0 * 3 + min(g, 2)) * 4 + t;
   int va[2] = {0, 0}, vb[2] = {0, 0};  // [row]: this lane's columns 2t and 2t + 1
   int ha[2] = {0, 0}, hb[2] = {0, 0};  // Q4_K: the high-nibble sub-blocks' sums, 16x
   if constexpr (T == Q4_K || T == Q5_K) {
@@ -307,7 +317,7 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
           a[2] |= ((r.h[0][0][1] >> j) & 0x01010101u) << 4;
           a[3] |= ((r.h[1][0][1] >> j) & 0x01010101u) << 4;
         }
-        const uint2 b = g < 3 ? xq.q[((s0 + j) * 3 + g) * 4 + t] : make_uint2(0u, 0u);
+        const uint2 b = g < 3 ? xb[j * 12] : make_uint2(0u, 0u);
         int d[4];
         mma_u8s8(d, a, b);
         const int sg = u8_at(sc[0][c >> 1], j & 3), s8 = u8_at(sc[1][c >> 1], j & 3);
@@ -342,30 +352,32 @@ __device__ __forceinline__ void mma_sb(const SbRaw& r, int sbg, float w, const X
                                {r.hdr[1].x, r.hdr[1].y, r.hdr[1].z, r.hdr[1].w}};
     // column c = 2t (+1) is half c / 3 of the group (its scale byte) and digit c % 3 (its weight)
     const int ha = min((2 * t) / 3, 1), hb = min((2 * t + 1) / 3, 1);
-    const int sha[2] = {8 * ha, 16 + 8 * ha}, shb[2] = {8 * hb, 16 + 8 * hb};  // by kp & 1
+    const uint32_t sla[2] = {s8_selector(ha), s8_selector(2 + ha)};  // by kp & 1
+    const uint32_t slb[2] = {s8_selector(hb), s8_selector(2 + hb)};
+    // the first 16 elements are in lanes t = 0, 1 (8t..8t+7), the last 16 in t = 2, 3: lanes g < 3 load
+    // digit g of the first, lanes 3 <= g < 6 digit g - 3 of the last
+    const bool use_b = g < 6 && (g < 3) == (t < 2);
+    const uint2* xb6 = xq.q + (s0 * 3 + (g < 3 ? g : min(g - 3, 2))) * 4 + t;
 #pragma unroll
     for (int ch = 0; ch < 4; ++ch) {
       const int n = ch >> 1, kk = ch & 1;
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {  // k' = kk + 2 hi: low or high nibbles
         const int kp = kk + 2 * hi;
-        const int s = s0 + 4 * n + kp;
         auto code = [&](uint32_t q, uint32_t h) {
           return ((q >> (4 * hi)) & 0x0F0F0F0Fu) | (((h >> (2 * kp)) & 0x03030303u) << 4);
         };
         const uint32_t a[4] = {code(r.q[0][ch][0], r.h[0][ch][0]), code(r.q[1][ch][0], r.h[1][ch][0]),
                                code(r.q[0][ch][1], r.h[0][ch][1]), code(r.q[1][ch][1], r.h[1][ch][1])};
-        // the first 16 elements are in lanes t = 0, 1 (8t..8t+7), the last 16 in t = 2, 3
-        const uint2 e = g < 6 ? xq.q[(s * 3 + (g < 3 ? g : g - 3)) * 4 + t] : make_uint2(0u, 0u);
-        const uint2 b = (g < 3) == (t < 2) ? e : make_uint2(0u, 0u);
+        const uint2 b = use_b ? xb6[(4 * n + kp) * 12] : make_uint2(0u, 0u);
         int d[4];
         mma_u8s8(d, a, b);
         // scale of 16 elements 8n + 2kp + half: word 2n + hi, byte 2kk + half
         const uint32_t wg = hw[0][2 * n + hi], w8 = hw[1][2 * n + hi];
-        va[0] += s8_at(wg, sha[kk]) * d[0];
-        vb[0] += s8_at(wg, shb[kk]) * d[1];
-        va[1] += s8_at(w8, sha[kk]) * d[2];
-        vb[1] += s8_at(w8, shb[kk]) * d[3];
+        va[0] += s8_sel(wg, sla[kk]) * d[0];
+        vb[0] += s8_sel(wg, slb[kk]) * d[1];
+        va[1] += s8_sel(w8, sla[kk]) * d[2];
+        vb[1] += s8_sel(w8, slb[kk]) * d[3];
       }
     }
     // digit weights of columns 2t and 2t + 1: (a, b), (c, a), (b, c)
@@ -405,25 +417,30 @@ __device__ __forceinline__ void tile16(RowFn row, WFn wgt, int n_seg, int sb_per
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int total = n_seg * sb_per_seg;
   constexpr int BB = sb_bytes<T>();
-  auto load = [&](int f, SbRaw& r) {
-    const int seg = f / sb_per_seg, sb = f - seg * sb_per_seg;
+  // the segment of flat index f (no division for one segment: ~20 instructions a super-block)
+  auto seg_of = [&](int f) { return n_seg > 1 ? f / sb_per_seg : 0; };
+  auto load = [&](int f, int seg, SbRaw& r) {
+    const int sb = f - seg * sb_per_seg;
     load_sb<T, kSm>(row(seg, 0) + sb * BB, row(seg, 1) + sb * BB, t, r);
   };
   int f = first;
   if constexpr (kPipe) {
     SbRaw cur, nxt;
-    if (f < total) load(f, cur);
+    int seg = f < total ? seg_of(f) : 0;
+    if (f < total) load(f, seg, cur);
     for (; f < total; f += step) {
-      const int fn = f + step;
-      if (fn < total) load(fn, nxt);
-      mma_sb<T>(cur, f, wgt(f / sb_per_seg), xq, g, t, acc);
+      const int fn = f + step, segn = fn < total ? seg_of(fn) : 0;
+      if (fn < total) load(fn, segn, nxt);
+      mma_sb<T>(cur, f, wgt(seg), xq, g, t, acc);
       cur = nxt;
+      seg = segn;
     }
   } else {
     for (; f < total; f += step) {
+      const int seg = seg_of(f);
       SbRaw cur;
-      load(f, cur);
-      mma_sb<T>(cur, f, wgt(f / sb_per_seg), xq, g, t, acc);
+      load(f, seg, cur);
+      mma_sb<T>(cur, f, wgt(seg), xq, g, t, acc);
     }
   }
 }
