@@ -402,36 +402,36 @@ TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
   std::mt19937_64 rng(seed);
   const int E = 256;
   for (bool coarse : {true, false})
-  for (int X : {9, 40, 127, 128, 129, 300})
-    for (int K : {1, 3, 8}) {
-      SCOPED_TRACE(::testing::Message() << X << " experts, " << K << " chosen, " << (coarse ? "ties" : "fine"));
-      QMatrix G(Type::Q4_K, X * 16, E, rng), U(Type::Q4_K, X * 16, E, rng);
-      std::vector<float> logits = randn(X, rng, 2.f), h = randn(E, rng);
-      if (coarse)
-        for (float& l : logits) l = std::round(l * 2.f) / 2.f;  // steps of 0.5: ties, +0 and -0 among them
-      std::vector<int> ids;
-      std::vector<float> wt;
-      route_cpu(logits, K, ids, wt);
-      Dev<float> dlg(logits), dh(h), act(K * 16), dw(K);
-      Dev<int32_t> di(K);
-      ok(k::expert_gate_up(G.mat(16), U.mat(16), dh.p, dlg.p, X, K, di.p, dw.p, act.p, nullptr));
-      ok(cudaDeviceSynchronize());
-      const std::vector<int32_t> gi = di.get();
-      const std::vector<float> gw = dw.get(), a = act.get();
-      for (int j = 0; j < K; ++j) {
-        EXPECT_EQ(gi[j], ids[j]) << "rank " << j;
-        EXPECT_NEAR(gw[j], wt[j], 1e-6) << "rank " << j;
+    for (int X : {9, 40, 127, 128, 129, 300})
+      for (int K : {1, 3, 8}) {
+        SCOPED_TRACE(::testing::Message() << X << " experts, " << K << " chosen, " << (coarse ? "ties" : "fine"));
+        QMatrix G(Type::Q4_K, X * 16, E, rng), U(Type::Q4_K, X * 16, E, rng);
+        std::vector<float> logits = randn(X, rng, 2.f), h = randn(E, rng);
+        if (coarse)
+          for (float& l : logits) l = std::round(l * 2.f) / 2.f;  // steps of 0.5: ties, +0 and -0 among them
+        std::vector<int> ids;
+        std::vector<float> wt;
+        route_cpu(logits, K, ids, wt);
+        Dev<float> dlg(logits), dh(h), act(K * 16), dw(K);
+        Dev<int32_t> di(K);
+        ok(k::expert_gate_up(G.mat(16), U.mat(16), dh.p, dlg.p, X, K, di.p, dw.p, act.p, nullptr));
+        ok(cudaDeviceSynchronize());
+        const std::vector<int32_t> gi = di.get();
+        const std::vector<float> gw = dw.get(), a = act.get();
+        for (int j = 0; j < K; ++j) {
+          EXPECT_EQ(gi[j], ids[j]) << "rank " << j;
+          EXPECT_NEAR(gw[j], wt[j], 1e-6) << "rank " << j;
+        }
+        // the blocks multiplied the chosen experts' rows (rank j's first row)
+        for (int j = 0; j < K; ++j) {
+          const float* gr = &G.deq[static_cast<int64_t>(ids[j]) * 16 * E];
+          const float* ur = &U.deq[static_cast<int64_t>(ids[j]) * 16 * E];
+          const double g = dot(gr, h.data(), E), u = dot(ur, h.data(), E);
+          EXPECT_NEAR(a[j * 16], silu(g) * static_cast<float>(u),
+                      1e-4 * (abs_dot(gr, h.data(), E) * (1 + abs_dot(ur, h.data(), E))))
+              << "rank " << j;
+        }
       }
-      // the blocks multiplied the chosen experts' rows (rank j's first row)
-      for (int j = 0; j < K; ++j) {
-        const float* gr = &G.deq[static_cast<int64_t>(ids[j]) * 16 * E];
-        const float* ur = &U.deq[static_cast<int64_t>(ids[j]) * 16 * E];
-        const double g = dot(gr, h.data(), E), u = dot(ur, h.data(), E);
-        EXPECT_NEAR(a[j * 16], silu(g) * static_cast<float>(u),
-                    1e-4 * (abs_dot(gr, h.data(), E) * (1 + abs_dot(ur, h.data(), E))))
-            << "rank " << j;
-      }
-    }
 }
 
 // The chosen experts' ids as an early hint for the down kernel (k::EarlyIds): the gate/up kernel writes
