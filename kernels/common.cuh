@@ -282,13 +282,15 @@ __device__ __forceinline__ void softmax_topk_warp(const float* logits, int n, in
 }
 
 constexpr int kMaxExperts = 1024;
-// The exact ranking (rank_experts' fallback): s_logit[0..n) in shared memory (visible: written before a
-// barrier), s_id[0..k) holding valid ids (a NaN logit is never ranked). Writes s_id and s_w (the chosen
-// logits) in rank order and ends with a barrier.
-__device__ __forceinline__ void rank_experts_exact(const float* s_logit, int n, int k, int32_t* s_id, float* s_w) {
-  // rank of element i = the number of elements before it; two lanes per element split the comparisons
-  // (four running counts each, so that the adds do not form one long chain)
-  const int half = (n + 1) >> 1;
+// The rankings' count: two lanes per element of s_logit[0..n) split the comparisons with the others (four
+// running counts each, so that the adds do not form one long chain) and the pair's first lane calls
+// f(i, s_logit[i], count) for each element i < n. kExact: count = the elements ranked before i (above it,
+// or equal with a lower index: its rank); else the elements strictly above it, four per float4 load
+// (s_logit 16-byte aligned).
+template <bool kExact, typename F>
+__device__ __forceinline__ void count_before(const float* s_logit, int n, F&& f) {
+  const int half = kExact ? (n + 1) >> 1 : ((n + 7) >> 3) << 2;  // else a multiple of 4: aligned float4 loads
+  const float4* q4 = reinterpret_cast<const float4*>(s_logit);
   for (int base = 0; base < 2 * n; base += blockDim.x) {
     const int i2 = base + static_cast<int>(threadIdx.x), i = i2 >> 1, h = i2 & 1;
     int r[4] = {0, 0, 0, 0};
@@ -297,24 +299,41 @@ __device__ __forceinline__ void rank_experts_exact(const float* s_logit, int n, 
       p = s_logit[i];
       const int j0 = h * half, j1 = min(n, j0 + half);
       int j = j0;
-      for (; j + 4 <= j1; j += 4)
+      for (; j + 4 <= j1; j += 4) {
+        if constexpr (kExact) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float q = s_logit[j + u];
-          r[u] += (q > p) || (q == p && j + u < i);
+          for (int u = 0; u < 4; ++u) {
+            const float q = s_logit[j + u];
+            r[u] += (q > p) || (q == p && j + u < i);
+          }
+        } else {
+          const float4 q = q4[j >> 2];
+          r[0] += q.x > p;
+          r[1] += q.y > p;
+          r[2] += q.z > p;
+          r[3] += q.w > p;
         }
+      }
       for (; j < j1; ++j) {
         const float q = s_logit[j];
-        r[0] += (q > p) || (q == p && j < i);
+        r[0] += kExact ? (q > p) || (q == p && j < i) : q > p;
       }
     }
-    int rank = (r[0] + r[1]) + (r[2] + r[3]);
-    rank += __shfl_xor_sync(0xffffffffu, rank, 1);
-    if (i < n && h == 0 && rank < k) {
+    int count = (r[0] + r[1]) + (r[2] + r[3]);
+    count += __shfl_xor_sync(0xffffffffu, count, 1);
+    if (i < n && h == 0) f(i, p, count);
+  }
+}
+// The exact ranking (rank_experts' fallback): s_logit[0..n) in shared memory (visible: written before a
+// barrier), s_id[0..k) holding valid ids (a NaN logit is never ranked). Writes s_id and s_w (the chosen
+// logits) in rank order and ends with a barrier.
+__device__ __forceinline__ void rank_experts_exact(const float* s_logit, int n, int k, int32_t* s_id, float* s_w) {
+  count_before<true>(s_logit, n, [&](int i, float p, int rank) {
+    if (rank < k) {
       s_id[rank] = i;
       s_w[rank] = p;  // the logit, in rank order
     }
-  }
+  });
   __syncthreads();
 }
 // The ranking: s_logit[0..n) in shared memory (visible: written before a barrier), s_id[0..k) set to -1
@@ -330,32 +349,12 @@ __device__ __forceinline__ void rank_experts_exact(const float* s_logit, int n, 
 __device__ __forceinline__ void rank_experts(const float* s_logit, int n, int k, int32_t* s_id, float* s_w) {
   bool clash = k > n || (reinterpret_cast<uintptr_t>(s_logit) & 15) != 0;  // block-uniform
   if (!clash) {
-    const int half = ((n + 7) >> 3) << 2;  // a multiple of 4: both halves' float4 loads aligned
-    const float4* q4 = reinterpret_cast<const float4*>(s_logit);
-    for (int base = 0; base < 2 * n; base += blockDim.x) {
-      const int i2 = base + static_cast<int>(threadIdx.x), i = i2 >> 1, h = i2 & 1;
-      int r[4] = {0, 0, 0, 0};
-      float p = 0.f;
-      if (i < n) {
-        p = s_logit[i];
-        const int j0 = h * half, j1 = min(n, j0 + half);
-        int j = j0;
-        for (; j + 4 <= j1; j += 4) {
-          const float4 q = q4[j >> 2];
-          r[0] += q.x > p;
-          r[1] += q.y > p;
-          r[2] += q.z > p;
-          r[3] += q.w > p;
-        }
-        for (; j < j1; ++j) r[0] += s_logit[j] > p;
-      }
-      int above = (r[0] + r[1]) + (r[2] + r[3]);
-      above += __shfl_xor_sync(0xffffffffu, above, 1);
-      if (i < n && h == 0 && above < k) {
+    count_before<false>(s_logit, n, [&](int i, float p, int above) {
+      if (above < k) {
         clash = clash || atomicExch(s_id + above, i) != -1;
         s_w[above] = p;
       }
-    }
+    });
     if (!__syncthreads_or(clash)) return;
   }
   if (static_cast<int>(threadIdx.x) < k) s_id[threadIdx.x] = 0;  // valid ids even for NaN logits
