@@ -842,8 +842,9 @@ void dot2(const float* w, const float* x, int64_t n, double& s, double& a) {
 }
 
 // Counts the misses of the kernel tests' bound (1e-5 of the scale + 1e-6), reporting the first few,
-// and asks for a margin: the worst error below a quarter of the bound (the emulation's worst is
-// below a tenth; the device's tf32 minimums truncate where the model rounds).
+// and asks for a margin: the worst error below 0.4 of the bound (the emulation's worst is below a
+// tenth; the device's tf32 minimums truncate where the model rounds: on inputs with x100 outliers the
+// worst reached 0.28, Q5_K 4300x256 with 290 tokens, seed 1199700485; 0.25 failed 2 of 15 runs).
 // The fp16 path asks for half the bound instead: the tensor cores add its fp32 sums with truncation
 // (measured worst ~0.3 of the bound with 100x outliers, against ~0.17 on the integer path).
 struct Check {
@@ -851,7 +852,7 @@ struct Check {
   double margin;
   int64_t misses = 0;
   Ratio r;
-  explicit Check(std::string w, double m = 0.25) : what(std::move(w)), margin(m) {}
+  explicit Check(std::string w, double m = 0.4) : what(std::move(w)), margin(m) {}
   void operator()(double got, double want, double scale, int64_t i) { bound(got, want, 1e-5 * scale + 1e-6, i); }
   void bound(double got, double want, double tol, int64_t i) {
     r.add(std::fabs(got - want), tol);
@@ -899,7 +900,7 @@ TEST(CudaGemm, IntegerDenseWideTilesAccumulate) {
                    split ? dXh.p : nullptr));
         ok(cudaDeviceSynchronize());
         const std::vector<float> Y = dY.get();
-        Check check(std::string(split ? "fp16 " : "") + "dense " + name + ", " + dist_name(d), split ? 0.5 : 0.25);
+        Check check(std::string(split ? "fp16 " : "") + "dense " + name + ", " + dist_name(d), split ? 0.5 : 0.4);
         for (int64_t tk = 0; tk < c.ntok; ++tk) {
           for (int64_t r = 0; r < c.rows; ++r) {
             double s, a;
@@ -965,7 +966,7 @@ TEST(CudaGemm, IntegerGroupedExpertsUnevenCounts) {
       EXPECT_EQ(cnt[0], 0);
       EXPECT_EQ(cnt[1], 1);
       EXPECT_EQ(cnt[2], 70);
-      Check check_act("gate/up " + name, split_gu ? 0.5 : 0.25), check_down("down " + name, split_dn ? 0.5 : 0.25);
+      Check check_act("gate/up " + name, split_gu ? 0.5 : 0.4), check_down("down " + name, split_dn ? 0.5 : 0.4);
       for (int e = 0; e < X; ++e)
         for (int sl = off[e]; sl < off[e] + cnt[e]; ++sl) {
           const float* hx = &h[static_cast<size_t>(token[sl]) * E];
