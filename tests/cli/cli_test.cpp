@@ -252,7 +252,9 @@ void expect_exit(const Proc& p, int code, const std::string& needle = "") {
   EXPECT_EQ(p.signal, 0) << "killed by signal";
   EXPECT_EQ(p.status, code) << p.err;
   EXPECT_TRUE(p.one_error_line()) << p.err;
-  if (!needle.empty()) EXPECT_NE(p.err.find(needle), std::string::npos) << p.err;
+  if (!needle.empty()) {
+    EXPECT_NE(p.err.find(needle), std::string::npos) << p.err;
+  }
 }
 
 TEST(Cli, UsageErrorsExit2) {

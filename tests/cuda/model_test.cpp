@@ -79,7 +79,9 @@ void compare_with_cpu(const Model& m, int n_prompt, int n_decode, int64_t n_ctx,
   auto gpu = moe::cuda::make_forward(m, go, &info);
   EXPECT_FALSE(info.name.empty());
   EXPECT_GT(info.vram_used_mib, 0u);
-  if (decode_path) ASSERT_EQ(info.decode_path, decode_path);
+  if (decode_path) {
+    ASSERT_EQ(info.decode_path, decode_path);
+  }
   const int64_t V = gpu->n_vocab();
   ASSERT_EQ(V, cpu->n_vocab());
 
@@ -238,7 +240,9 @@ TEST(CudaModel, PersistentDecodeMatchesKernelGraph) {
   // greedy through the persistent graph equals the argmax of its logits
   const int32_t g = per->eval_greedy(tok);
   graph->eval(std::span<const int32_t>(&tok, 1), false, b);
-  if (top2_gap(b.data(), V) > 1e-3) EXPECT_EQ(g, argmax(b.data(), V));
+  if (top2_gap(b.data(), V) > 1e-3) {
+    EXPECT_EQ(g, argmax(b.data(), V));
+  }
   fs::remove_all(dir);
 }
 
