@@ -1,5 +1,5 @@
-// Host entry points of the tensor-core decode GEMVs (gemv_tc.cu), used by gemv.cu for the K-quant
-// types. Plain C++.
+// Host entry points of the tensor-core decode GEMVs (gemv_tc.cu: the dense ones; experts_tc.cu: the experts'),
+// used by gemv.cu for the K-quant types. Plain C++.
 #pragma once
 #include "launch.cuh"
 
@@ -34,7 +34,8 @@ struct GemvArgs {
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                    int rows_per_tile, const L2Hint* hint);
 
-cudaError_t tc_init();
+cudaError_t tc_init();          // the dense kernels' attributes, then tc_experts_init
+cudaError_t tc_experts_init();  // the expert kernels' (experts_tc.cu)
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);
 cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
                        int32_t* ids, float* weights, float* act, cudaStream_t s);

@@ -459,4 +459,26 @@ __device__ __forceinline__ void warp_rows_to_smem(float (&acc)[4], float* red16)
   }
 }
 
+// ---- shared by the decode kernels (gemv_tc.cu, experts_tc.cu) ---------------------------------------------
+// Shared memory of the kernels with weight rows in shared memory: the staged input (n elements), then
+// the rows.
+__host__ __device__ inline size_t rows_smem_offset(int n) { return (xq_smem(n) + 127) / 128 * 128; }
+constexpr size_t kTcMaxSmem = 200 * 1024;  // tc_init's and tc_experts_init's MaxDynamicSharedMemorySize
+
+// This block's 1/gridDim share of region i of an L2Ahead to L2 (one bulk prefetch).
+__device__ __forceinline__ void send_ahead_share(const L2Ahead& ahead, int i) {
+  if (!ahead.base[i]) return;
+  const int64_t bytes = ahead.bytes[i];
+  const int64_t chunk = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~int64_t{15};
+  const int64_t o = blockIdx.x * chunk;
+  if (o < bytes)
+    bulk_prefetch_l2(static_cast<const uint8_t*>(ahead.base[i]) + o, static_cast<uint32_t>(min(chunk, bytes - o)));
+}
+
+// The router's sums in fixed point (o_proj_router's partials, the gate/up kernel's choice; launch.cuh):
+// a sum's value is acc * 2^-32 ref, ref the layer input's RMS (1 when it is not a positive finite number).
+constexpr float kFixedUnit = 4294967296.f;                // 2^32
+constexpr float kFixedUnitInv = 2.3283064365386963e-10f;  // 2^-32
+__device__ __forceinline__ float ref_or_one(float ref) { return ref > 0.f && ref < INFINITY ? ref : 1.f; }
+
 }  // namespace moe::cuda::k::tc
