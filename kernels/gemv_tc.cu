@@ -7,9 +7,9 @@
 // 16 rows x 32 codes per instruction, the codes need only a mask and a shift), and the block scales
 // are applied in int32 per sub-block and in fp32 per super-block.
 //
-// Accuracy: x is quantized per group of 256 to 16-bit integers split in two int8 B columns (tc.cuh),
-// i.e. ~1.5e-5 of the group's largest element; the products and sums are exact in int32. That is
-// 128x finer than the 8-bit Q8_K activations llama.cpp multiplies K-quants with on the CPU.
+// Accuracy: x is quantized per group of 256 to 24-bit integers split in three int8 B columns (tc.cuh),
+// i.e. ~1.2e-7 of the group's largest element (fp32-level); the products and sums are exact in int32.
+// That is 2^16 times finer than the 8-bit Q8_K activations llama.cpp multiplies K-quants with on the CPU.
 //
 // Layout of the work: a block owns 16 consecutive output rows (the MMA's M); its warps split the
 // super-blocks of the (possibly segmented) input. Lane (g = lane / 4, t = lane % 4) loads rows g and
@@ -127,7 +127,7 @@ template <int R>
 __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, int cols, const SliceAt<R>& sa,
                                                   XLoad<R>& l) {
   constexpr int NM = kAttMaxDefer;
-  const int groups = cols >> 8, nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   const int HD = at.head_dim, G = at.group, PS = attention_partial_stride(HD);
   const int64_t ss = static_cast<int64_t>(G) * PS;  // slice stride
   float mv[R], lv[R];
@@ -150,7 +150,7 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
   }
 #pragma unroll
   for (int k = 0; k < R; ++k) {
-    if (warp + (k >> 1) * nw >= groups) continue;  // uniform over the warp
+    if (!sa.p[k]) continue;  // past the columns (slice_at; uniform over the warp)
     const float M = warp_max(mv[k]);
     const float w = lane < n ? expf(mv[k] - M) : 0.f;
     float Ls = 0.f;
