@@ -162,7 +162,7 @@ template <uint32_t T, bool kSm>
 __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, const int32_t* ids, const float* weights,
                                              int n_used, float* x, const XQ& xq, uint8_t* srows, uint64_t* bar,
                                              float* red, float (*part)[16], int32_t* sid, float* sw,
-                                             const EarlyIds& early) {
+                                             const EarlyIds& early, bool x_early) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, tid = threadIdx.x;
   const int r0 = blockIdx.x * 16, nr = min(16, D.rows - r0);
   const int n = D.cols * n_used;
@@ -198,6 +198,10 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
       if constexpr (kSm) fetch_rows(tid, id); else prefetch_rows(id);
     }
   }
+  // x_early: the block's rows of x, read before the wait (the O projection two kernels back wrote them and
+  // is complete) rather than after the MMAs
+  float x_pre = 0.f;
+  if (x_early && tid < 16 && r0 + tid < D.rows) x_pre = __ldcg(x + r0 + tid);
   pdl_sync();
   XLoad<2> xl;
   stage_load<2>(act, n, nullptr, xl);
@@ -245,7 +249,7 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < kDownWarps; ++w) v += part[w][tid];
-    x[r0 + tid] += v;
+    x[r0 + tid] = (x_early ? x_pre : x[r0 + tid]) + v;
   }
 }
 
@@ -256,7 +260,8 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
                                                                      const int32_t* __restrict__ ids,
                                                                      const float* __restrict__ weights, int n_used,
                                                                      float* x, const __grid_constant__ L2Ahead ahead,
-                                                                     const __grid_constant__ EarlyIds early) {
+                                                                     const __grid_constant__ EarlyIds early,
+                                                                     bool x_early) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kDownWarps][16];
@@ -269,13 +274,16 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
   uint8_t* srows = smem + rows_smem_offset(D.cols * n_used);
   switch (D.type) {
     case layout::Q4_K:
-      tc_down_body<layout::Q4_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early);
+      tc_down_body<layout::Q4_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early,
+                                       x_early);
       break;
     case layout::Q5_K:
-      tc_down_body<layout::Q5_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early);
+      tc_down_body<layout::Q5_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early,
+                                       x_early);
       break;
     case layout::Q6_K:
-      tc_down_body<layout::Q6_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early);
+      tc_down_body<layout::Q6_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early,
+                                       x_early);
       break;
     default: break;
   }
@@ -338,7 +346,7 @@ cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const fl
   const bool sm = env_switch("MOE_CUDA_DOWN_SMEM", true) && with_rows <= kTcMaxSmem;
   return launch_pdl(sm ? tc_down_kernel<true> : tc_down_kernel<false>, dim3((D.rows + 15) / 16),
                     dim3(kDownWarps * 32), sm ? with_rows : xq_smem(n), s, D, act, ids, weights, n_used, x, ah,
-                    early ? *early : EarlyIds{});
+                    early ? *early : EarlyIds{}, env_switch("MOE_CUDA_X_EARLY", true));
 }
 
 }  // namespace moe::cuda::k

@@ -652,6 +652,7 @@ cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, 
   a.router = reinterpret_cast<const float*>(R.data);
   a.router_stride = R.row_stride / 4;
   a.router_norm = norm_w;
+  a.y_early = env_switch("MOE_CUDA_X_EARLY", true) ? 1 : 0;
   if (att && att->defer > 0) a.att = *att;
   return tc_gemv(a, s);
 }

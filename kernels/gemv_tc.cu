@@ -188,7 +188,8 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
 template <uint32_t T, bool kPipe, int kW, bool kSm = false>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
                                              float (*part)[16], bool route, const RouterCols& rc, float* s_y,
-                                             float ref, const uint8_t* srows = nullptr) {
+                                             float ref, const uint8_t* srows = nullptr, bool has_pre = false,
+                                             float pre = 0.f) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const uint8_t* base = kSm ? srows : W.data;
   const int rel = kSm ? 0 : r0, last = kSm ? min(16, W.rows - r0) - 1 : W.rows - 1;
@@ -207,7 +208,7 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
 #pragma unroll
       for (int w = 0; w < kW; ++w) v += part[w][threadIdx.x];
       float* yr = y + r0 + threadIdx.x;
-      nv = a.accumulate ? *yr + v : v;
+      nv = a.accumulate ? (has_pre ? pre : *yr) + v : v;
       *yr = nv;
     }
     if (route) s_y[threadIdx.x] = nv * rc.gain;
@@ -377,6 +378,15 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   const int slices = kRoute && R == 2 && a.att.defer > 1 ? deferred_slices(a.att, __ldcg(a.att.pos)) : 0;
   SliceAt<R> sa;
   if (slices) slice_at<R>(a.att, a.cols, sa);
+  // y_early: the rows of y to accumulate into for the block's first tile, read now rather than after the
+  // MMAs (an L2 round trip on the epilogue's path); the kernel two steps back wrote them and is complete
+  float y_pre = 0.f;
+  const bool pre = !kWarpTiles && a.y_early && a.accumulate && blockIdx.x < total;
+  if (pre && threadIdx.x < 16) {
+    int m;
+    const int r = find(blockIdx.x, m) + static_cast<int>(threadIdx.x);
+    if (r < a.outs[m].W.rows) y_pre = __ldcg(a.outs[m].y + r);
+  }
   pdl_sync();
   XLoad<R> xl;
   if constexpr (R == 2) {
@@ -441,22 +451,34 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
         MOE_TRACE_MARK(5);
         switch (W.type) {
           case layout::Q4_K:
-            tc_gemv_tile<layout::Q4_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows);
+            tc_gemv_tile<layout::Q4_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
+                                                         pre, y_pre);
             break;
           case layout::Q5_K:
-            tc_gemv_tile<layout::Q5_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows);
+            tc_gemv_tile<layout::Q5_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
+                                                         pre, y_pre);
             break;
           case layout::Q6_K:
-            tc_gemv_tile<layout::Q6_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows);
+            tc_gemv_tile<layout::Q6_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
+                                                         pre, y_pre);
             break;
           default: break;
         }
         continue;
       }
       switch (W.type) {
-        case layout::Q4_K: tc_gemv_tile<layout::Q4_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-        case layout::Q5_K: tc_gemv_tile<layout::Q5_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
-        case layout::Q6_K: tc_gemv_tile<layout::Q6_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref); break;
+        case layout::Q4_K:
+          tc_gemv_tile<layout::Q4_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref, nullptr,
+                                                  pre && tile == blockIdx.x, y_pre);
+          break;
+        case layout::Q5_K:
+          tc_gemv_tile<layout::Q5_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref, nullptr,
+                                                  pre && tile == blockIdx.x, y_pre);
+          break;
+        case layout::Q6_K:
+          tc_gemv_tile<layout::Q6_K, (R > 2), kW>(a, W, y, r0, xq, part, route, rc, s_y, ref, nullptr,
+                                                  pre && tile == blockIdx.x, y_pre);
+          break;
         default: break;
       }
     }

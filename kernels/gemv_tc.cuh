@@ -30,6 +30,8 @@ struct GemvArgs {
   int skip_prefetch = 0;          // the weights were sent to L2 by an earlier kernel (gemv's weights_in_l2)
   AttSlices att;                  // O: the attention's slices to merge while staging x (launch.cuh)
   int lm_pipe = 0;                // the warp-tile kernel (LM head): super-blocks through shared memory (tc_gemv)
+  int y_early = 0;                // y's rows of a block's first tile read before the wait (o_proj_router: x is
+                                  // not written by the kernel just before it)
 };
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                    int rows_per_tile, const L2Hint* hint);

@@ -150,6 +150,9 @@ cudaError_t gemv(const GemvOut* outs, int n_outs, const float* x, const float* n
 // shared memory before its wait either way, gemv_tc.cu).
 // x += O·o, acc[c] += Σ_r R[c][r] norm_w[r] x[r] and acc[n] += Σ_r x[r]² over the new x (units as above).
 // att (when given and att->defer > 0): o is the attention's output unless it left slices to merge (above).
+// Each block reads its rows of x before its wait (MOE_CUDA_X_EARLY=0: after its MMAs, as a plain GEMV
+// does): x must not be written by the kernel launched just before this one (in the decode that kernel is
+// the attention; x was last written three kernels back).
 cudaError_t o_proj_router(const Mat& O, const float* o, float* x, const Mat& R, const float* norm_w,
                           const RouterAcc& acc, cudaStream_t s, const AttSlices* att = nullptr);
 // The chosen experts' ids as an early hint for the down kernel: the gate/up kernel's block 0 writes the
@@ -184,7 +187,8 @@ cudaError_t route_token(const float* x, const float* norm_w, float eps, const Ma
 // n_used <= 64).
 cudaError_t expert_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
                            int32_t* ids, float* weights, float* act, cudaStream_t s);
-// x[r] += Σ_j weights[j] * D_e.row(r)·act[j] for e = ids[j] (decode).
+// x[r] += Σ_j weights[j] * D_e.row(r)·act[j] for e = ids[j] (decode). The tensor-core kernel reads its rows
+// of x before its wait, like o_proj_router (the kernel just before, the gate/up one, must not write x).
 cudaError_t expert_down_add(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used,
                             float* x, cudaStream_t s, const L2Ahead* ahead = nullptr, const EarlyIds* early = nullptr);
 // Whether expert_down_add sends `ahead` to L2 for this matrix (the tensor-core kernel does).

@@ -325,7 +325,10 @@ TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
     Dev<int32_t> di(c.K);
     const k::RouterAcc ra = router_acc(sums.p, ref.p, c.X);
     std::vector<long long> first;
+    std::vector<float> first_x;
     for (int rep = 0; rep < 2; ++rep) {
+      // the second run with the residual's rows read after the MMAs (MOE_CUDA_X_EARLY=0): the same bits
+      if (rep == 1) setenv("MOE_CUDA_X_EARLY", "0", 1);
       dx.put(x);
       const k::GemvOut q{Wq.mat(), dq.p};
       ok(k::gemv(&q, 1, dx.p, dan.p, eps, false, nullptr, nullptr, &ra));
@@ -335,10 +338,13 @@ TEST(CudaKernels, RouterInOProjectionMatchesTwin) {
 
       const std::vector<long long> acc = sums.get();
       if (rep == 1) {
+        unsetenv("MOE_CUDA_X_EARLY");
         EXPECT_EQ(acc, first) << "the sums differ between two runs";
+        EXPECT_EQ(dx.get(), first_x) << "x differs between two runs";
         break;
       }
       first = acc;
+      first_x = dx.get();
       double ss = 0;
       for (float v : x) ss += static_cast<double>(v) * v;
       const double rms = std::sqrt(ss / n + eps), unit = ref.get()[0];
@@ -439,7 +445,8 @@ TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
 // no hint, a fresh one, a stale tag that names this position and layer over other experts' ids (a
 // hint only fetches rows), or a matching tag whose hint names other experts than the ids it then
 // reads (the rows fetched early into shared memory are fetched again); with the rows through shared
-// memory (MOE_CUDA_DOWN_SMEM, default) and through L2 alike.
+// memory (MOE_CUDA_DOWN_SMEM, default) and through L2 alike, and with x's rows read before the kernels'
+// waits (MOE_CUDA_X_EARLY, default) or after their MMAs.
 TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -451,10 +458,13 @@ TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
   QMatrix G(Type::Q4_K, X * F, n, rng), U(Type::Q4_K, X * F, n, rng), D(Type::Q6_K, X * n, F, rng);
   const std::vector<float> x = randn(n, rng, 2.f), o = randn(C, rng), g = randn(n, rng);
   std::vector<float> want;
-  for (const char* sm : {"1", "0"})
+  // "late": shared memory, x's rows read after the MMAs (MOE_CUDA_X_EARLY=0)
+  for (const char* sm : {"1", "0", "late"})
     for (int variant = 0; variant < 4; ++variant) {
       SCOPED_TRACE(::testing::Message() << "MOE_CUDA_DOWN_SMEM=" << sm << " variant " << variant);
-      setenv("MOE_CUDA_DOWN_SMEM", sm, 1);
+      const bool late = sm[0] == 'l';
+      setenv("MOE_CUDA_DOWN_SMEM", late ? "1" : sm, 1);
+      setenv("MOE_CUDA_X_EARLY", late ? "0" : "1", 1);
       Dev<float> dx(x), dO(o), dg(g), dw(K), act(K * F), ref(std::vector<float>{1.f});
       Dev<long long> sums(std::vector<long long>(X + 1, 0));
       Dev<int32_t> di(std::vector<int32_t>{X - 1, X - 2, X - 3, X - 4}), dpos(std::vector<int32_t>{pos});
@@ -488,6 +498,7 @@ TEST(CudaKernels, EarlyExpertIdsAreOnlyAHint) {
       }
     }
   unsetenv("MOE_CUDA_DOWN_SMEM");
+  unsetenv("MOE_CUDA_X_EARLY");
   k::EarlyIds bad;
   Dev<int> t(1);
   bad.tag = t.p;  // no position
