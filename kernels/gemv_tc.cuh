@@ -37,7 +37,7 @@ GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float*
                    int rows_per_tile, const L2Hint* hint);
 
 cudaError_t tc_init();          // the dense kernels' attributes, then tc_experts_init
-cudaError_t tc_experts_init();  // the expert kernels' (experts_tc.cu)
+cudaError_t tc_experts_init();  // the expert kernels' (experts_tc.cuh)
 cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s);
 cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* logits, int n_expert, int n_used,
                        int32_t* ids, float* weights, float* act, cudaStream_t s);

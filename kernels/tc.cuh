@@ -459,7 +459,7 @@ __device__ __forceinline__ void warp_rows_to_smem(float (&acc)[4], float* red16)
   }
 }
 
-// ---- shared by the decode kernels (gemv_tc.cu, experts_tc.cu) ---------------------------------------------
+// ---- shared by the decode kernels (gemv_tc.cu, experts_tc.cuh) --------------------------------------------
 // Shared memory of the kernels with weight rows in shared memory: the staged input (n elements), then
 // the rows.
 __host__ __device__ inline size_t rows_smem_offset(int n) { return (xq_smem(n) + 127) / 128 * 128; }
