@@ -1,4 +1,4 @@
-// Host entry points of the tensor-core decode GEMVs (gemv_tc.cu: the dense ones; experts_tc.cu: the experts'),
+// Host entry points of the tensor-core decode GEMVs (gemv_tc.cu: the dense ones; experts_tc.cuh: the experts'),
 // used by gemv.cu for the K-quant types. Plain C++.
 #pragma once
 #include "launch.cuh"
