@@ -185,7 +185,7 @@ __device__ __forceinline__ void stage_load_slices(const AttSlices& at, int n, in
 }
 
 // kSm: the tile's rows are in shared memory at srows (16 rows' room, the tile's first row first).
-template <uint32_t T, bool kPipe, int kW, bool kSm = false>
+template <uint32_t T, bool kPipe, int kW, bool kSm = false, bool kPad = false>
 __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, float* y, int r0, const XQ& xq,
                                              float (*part)[16], bool route, const RouterCols& rc, float* s_y,
                                              float ref, const uint8_t* srows = nullptr, bool has_pre = false,
@@ -193,8 +193,16 @@ __device__ __forceinline__ void tc_gemv_tile(const GemvArgs& a, const Mat& W, fl
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const uint8_t* base = kSm ? srows : W.data;
   const int rel = kSm ? 0 : r0, last = kSm ? min(16, W.rows - r0) - 1 : W.rows - 1;
-  const uint8_t* rg = base + min(rel + g, last) * W.row_stride;
-  const uint8_t* r8 = base + min(rel + g + 8, last) * W.row_stride;
+  const uint8_t* rg;
+  const uint8_t* r8;
+  if constexpr (kPad) {  // rows in shared memory at their padded stride (32-bit arithmetic)
+    const int rs = rows_smem_stride(static_cast<int>(W.row_stride));
+    rg = base + min(g, last) * rs;
+    r8 = base + min(g + 8, last) * rs;
+  } else {
+    rg = base + min(rel + g, last) * W.row_stride;
+    r8 = base + min(rel + g + 8, last) * W.row_stride;
+  }
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   tile16<T, kPipe, kSm>([&](int, int i) { return i ? r8 : rg; }, [](int) { return 1.f; }, 1, a.cols / 256, warp, kW,
                         xq, acc);
@@ -325,7 +333,10 @@ struct LmPipe {
 // columns, staging and tail shorter: BM_Decode/0 496.2-499.7 vs 492.5-494.8 tok/s with 8 warps).
 // kSm: the block's first tile comes into shared memory by one bulk copy before the wait (instead of its
 // bulk prefetch to L2), and its MMAs read it there (tc_gemv: when it fits; MOE_CUDA_GEMV_SMEM=0 off).
-template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW, bool kSm = false>
+// kPad (with kSm): one bulk copy per row, each to rows_smem_stride (tc.cuh): at the global stride of 2,048
+// columns every row starts in the same bank and the MMAs' loads from shared memory were 8-way bank
+// conflicts (trace: the Q/K/V tile's MMAs 1.26 -> 0.79 us; MOE_CUDA_ROWS_PAD=0 off).
+template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW, bool kSm = false, bool kPad = false>
 __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[32];
@@ -356,10 +367,17 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
     int m;
     const int r = find(blockIdx.x, m);
     const Mat& W = a.outs[m].W;
-    const uint32_t bytes = static_cast<uint32_t>(min(16, W.rows - r) * W.row_stride);
+    const int nr = min(16, W.rows - r);
+    const uint32_t bytes = static_cast<uint32_t>(nr * W.row_stride);
     mbar_init(&bar, 1);
     mbar_arrive_tx(&bar, bytes);
-    bulk_copy_g2s(srows, W.data + r * W.row_stride, bytes, &bar);
+    if constexpr (!kPad) {
+      bulk_copy_g2s(srows, W.data + r * W.row_stride, bytes, &bar);
+    } else {  // a copy per row, to the padded stride (kPad: rows_smem_stride)
+      const int rs = static_cast<int>(W.row_stride), ps = rows_smem_stride(rs);
+      const uint8_t* src = W.data + r * W.row_stride;
+      for (int i = 0; i < nr; ++i) bulk_copy_g2s(srows + i * ps, src + i * rs, static_cast<uint32_t>(rs), &bar);
+    }
   }
   if (!kSm) prefetch(blockIdx.x);
   send_hint_to_l2(a.hint);
@@ -451,15 +469,15 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
         MOE_TRACE_MARK(5);
         switch (W.type) {
           case layout::Q4_K:
-            tc_gemv_tile<layout::Q4_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
+            tc_gemv_tile<layout::Q4_K, (R > 2), kW, true, kPad>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
                                                          pre, y_pre);
             break;
           case layout::Q5_K:
-            tc_gemv_tile<layout::Q5_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
+            tc_gemv_tile<layout::Q5_K, (R > 2), kW, true, kPad>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
                                                          pre, y_pre);
             break;
           case layout::Q6_K:
-            tc_gemv_tile<layout::Q6_K, (R > 2), kW, true>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
+            tc_gemv_tile<layout::Q6_K, (R > 2), kW, true, kPad>(a, W, y, r0, xq, part, route, rc, s_y, ref, srows,
                                                          pre, y_pre);
             break;
           default: break;
@@ -506,6 +524,9 @@ cudaError_t tc_init() {
   if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, false, false, NW, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 big)))
     return e;
+  if ((e = cudaFuncSetAttribute(tc_gemv_kernel<2, false, false, NW, true, true>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, big)))
+    return e;
   return tc_experts_init();
 }
 
@@ -536,11 +557,21 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   // through L2). Not the O projection with the routing (the same measured 628.6-629.3 vs 628.0-628.3 tok/s
   // from context 0 and 527.7-528.0 vs 521.2-521.7 at depth 4096 without), nor the R = 4 kernels (two
   // register sets per warp already: they spill with both paths).
-  int64_t stride = 0;
-  for (int i = 0; i < a.n_outs; ++i) stride = std::max(stride, a.outs[i].W.row_stride);
-  const size_t with_rows = rows_smem_offset(a.cols) + 16 * static_cast<size_t>(stride);
-  if (two && env_switch("MOE_CUDA_GEMV_SMEM", true) && with_rows <= kTcMaxSmem)
-    return launch_pdl(tc_gemv_kernel<2, false, false, NW, true>, grid, block, with_rows, s, a);
+  // The rows at a padded stride there (rows_smem_stride: one copy per row, no bank conflicts); with
+  // MOE_CUDA_ROWS_PAD=0 the tile in one copy at the global stride.
+  if (two && env_switch("MOE_CUDA_GEMV_SMEM", true)) {  // two: rows of at most 2,048 columns
+    const bool pad = env_switch("MOE_CUDA_ROWS_PAD", true);
+    int64_t stride = 0;
+    for (int i = 0; i < a.n_outs; ++i) {
+      const int64_t rs = a.outs[i].W.row_stride;
+      stride = std::max(stride, pad ? static_cast<int64_t>(rows_smem_stride(static_cast<int>(rs))) : rs);
+    }
+    const size_t with_rows = rows_smem_offset(a.cols) + 16 * static_cast<size_t>(stride);
+    if (with_rows <= kTcMaxSmem)
+      return launch_pdl(pad ? tc_gemv_kernel<2, false, false, NW, true, true>
+                            : tc_gemv_kernel<2, false, false, NW, true>,
+                        grid, block, with_rows, s, a);
+  }
   return launch_pdl(two ? tc_gemv_kernel<2, false> : tc_gemv_kernel<4, false>, grid, block, smem, s, a);
 }
 

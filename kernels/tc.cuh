@@ -463,6 +463,13 @@ __device__ __forceinline__ void warp_rows_to_smem(float (&acc)[4], float* red16)
 // Shared memory of the kernels with weight rows in shared memory: the staged input (n elements), then
 // the rows.
 __host__ __device__ inline size_t rows_smem_offset(int n) { return (xq_smem(n) + 127) / 128 * 128; }
+// The stride of weight rows in shared memory: the global row stride padded to 32 bytes past a multiple of
+// 128, so that the rows g = 0..7 a warp's lanes load (8 bytes at 8t of the same chunk) start 8 banks apart
+// and a half warp's 16 loads hit 32 distinct banks. With the global stride (a multiple of 128 bytes for
+// 2,048 columns of Q4_K or Q6_K) all eight rows start in the same bank: 8-way conflicts on every load.
+__host__ __device__ inline int rows_smem_stride(int row_stride) {
+  return row_stride + ((32 - (row_stride & 127)) & 127);
+}
 constexpr size_t kTcMaxSmem = 200 * 1024;  // tc_init's and tc_experts_init's MaxDynamicSharedMemorySize
 
 // This block's 1/gridDim share of region i of an L2Ahead to L2 (one bulk prefetch).

@@ -24,13 +24,15 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  // the K-quants run on the tensor cores by default, a block's tile through shared memory
-  // (MOE_CUDA_GEMV_SMEM=0: loaded from global memory); MOE_CUDA_TC=0 checks their SIMT kernels too
-  for (const char* mode : {"tc", "tc-global", "simt"})
+  // the K-quants run on the tensor cores by default, a block's tile through shared memory at padded row
+  // strides (MOE_CUDA_ROWS_PAD=0: the global stride; MOE_CUDA_GEMV_SMEM=0: loaded from global memory);
+  // MOE_CUDA_TC=0 checks their SIMT kernels too
+  for (const char* mode : {"tc", "tc-unpadded", "tc-global", "simt"})
   for (Type t : all_types()) {
     SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " " << mode);
     setenv("MOE_CUDA_TC", mode[0] == 't' ? "1" : "0", 1);
     setenv("MOE_CUDA_GEMV_SMEM", std::string(mode) == "tc-global" ? "0" : "1", 1);
+    setenv("MOE_CUDA_ROWS_PAD", std::string(mode) == "tc-unpadded" ? "0" : "1", 1);
     const int64_t cols = cols_for(t, 768), rows = 37;
     QMatrix W(t, rows, cols, rng);
     std::vector<float> x = randn(cols, rng);
@@ -44,6 +46,7 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
   }
   unsetenv("MOE_CUDA_TC");
   unsetenv("MOE_CUDA_GEMV_SMEM");
+  unsetenv("MOE_CUDA_ROWS_PAD");
 }
 
 // Matrices of more tiles than a wave of blocks (the LM head) run one tile per warp (kWarpTiles): every
