@@ -335,9 +335,10 @@ struct LmPipe {
 // bulk prefetch to L2), and its MMAs read it there (tc_gemv: when it fits; MOE_CUDA_GEMV_SMEM=0 off).
 // kPad (with kSm): one bulk copy per row, each to rows_smem_stride (tc.cuh): at the global stride of 2,048
 // columns every row starts in the same bank and the MMAs' loads from shared memory were 8-way bank
-// conflicts (trace: the Q/K/V tile's MMAs 1.26 -> 0.79 us; MOE_CUDA_ROWS_PAD=0 off).
+// conflicts (trace: the Q/K/V tile's MMAs 1.26 -> 0.74-0.79 us; MOE_CUDA_ROWS_PAD=0 off).
 template <int R, bool kRoute, bool kWarpTiles = false, int kW = NW, bool kSm = false, bool kPad = false>
 __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 3 : 1) tc_gemv_kernel(GemvArgs a) {
+  static_assert(kSm || !kPad, "kPad lays out the shared-memory tile");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kW][16];
