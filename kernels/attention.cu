@@ -303,12 +303,12 @@ __global__ void __launch_bounds__(kDecWarps * 32, 3) attention_decode_kernel(con
                                                                           int* counters, float* out_all,
                                                                           const float* rope_cs, int min_chunk,
                                                                           int defer, int warm, int tree_min,
-                                                                          int leaf) {
+                                                                          int leaf, int kv_evict) {
   extern __shared__ float sm[];
   MOE_TRACE_SCOPE(4);
   attention_decode_item<D, G>(blockIdx.x, blockIdx.y, qkv, pos0, q_norm, k_norm, eps, rope, kc, vc, n_head_kv, n_split,
                               partials, counters, out_all, rope_cs, sm, true, min_chunk, defer, warm != 0,
-                              tree_min, leaf);  // waits after its first loads
+                              tree_min, leaf, kv_evict);  // waits after its first loads
 }
 
 template <int HD, int G>
@@ -355,7 +355,7 @@ cudaError_t launch_attention_decode(const float* qkv, const int32_t* pos0, const
   return launch_pdl(attention_decode_kernel<D, G>, dim3(n_head_kv, n_split), dim3(kDecWarps * 32), smem, s, qkv, pos0,
                     q_norm, k_norm, eps, rope, static_cast<__half*>(kc), static_cast<__half*>(vc), n_head_kv, n_split,
                     partials, counters, out, rope_cs, attention_min_chunk(), defer, attention_warm_pass() ? 1 : 0,
-                    attention_tree_min(), attention_leaf());
+                    attention_tree_min(), attention_leaf(), (l2_evict_mask() & kEvictKv) ? 1 : 0);
 }
 
 template <int D>

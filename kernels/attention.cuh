@@ -71,7 +71,7 @@ constexpr int kv_slot_halves(int HD) { return 64 * (HD + 8); }
 // token writes, whose row kv_cur_row fills from kn/vn); the caller commits the group.
 template <int D, int NW>
 __device__ __forceinline__ void kv_group_issue(__half* slot, const __half* kc, const __half* vc, int kv_dim,
-                                               int64_t off, int base, int c1, int cur) {
+                                               int64_t off, int base, int c1, int cur, uint64_t pol = 0) {
   constexpr int CH = D * 4, KS = D * 32 + 8, N = 2 * 32 * CH;  // 16-byte pieces per row; pieces per group
   static_assert(N % (NW * 32) == 0, "whole pieces per thread");
 #pragma unroll
@@ -81,7 +81,7 @@ __device__ __forceinline__ void kv_group_issue(__half* slot, const __half* kc, c
     if (p == cur) continue;  // not even zeros: they could land after kv_cur_row's stores
     const bool ok = p < c1;
     const __half* src = (kv ? vc : kc) + (ok ? static_cast<int64_t>(p) * kv_dim + off + 8 * c : 0);
-    cp_async16_zfill(slot + (idx / CH) * KS + 8 * c, src, ok);
+    cp_async16_zfill(slot + (idx / CH) * KS + 8 * c, src, ok, pol);
   }
 }
 // Row `cur` of the group at base (if it holds it) from kn/vn: fp16-rounded floats, as the cache holds them.
@@ -124,7 +124,8 @@ template <int D, int G, int NW>
 __device__ __forceinline__ void attend_heads_block(const float* qs, const __half* kc, const __half* vc, int kv_dim,
                                                    int64_t off, int c0, int c1, int cur, const float* kn,
                                                    const float* vn, __half* ring, bool refill, float* tc,
-                                                   float (&m)[1], float (&l)[1], float (&acc)[1][D]) {
+                                                   float (&m)[1], float (&l)[1], float (&acc)[1][D],
+                                                   uint64_t kv_pol = 0) {
   static_assert(G <= 8 && NW == 8, "one 8-column tile of query heads, 8 warps");
   constexpr int HD = D * 32, KS = HD + 8, QP = HD + 8, PP = 40, KSTEPS = HD / 16, KH = KSTEPS / 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -168,7 +169,7 @@ __device__ __forceinline__ void attend_heads_block(const float* qs, const __half
     if (refill && i > 0) {  // the previous step's slot, with the group kKvRing - 1 after this one
       const int nb = base + 32 * (kKvRing - 1);
       if (nb < c1)
-        kv_group_issue<D, NW>(ring + ((i + kKvRing - 1) % kKvRing) * SLOT, kc, vc, kv_dim, off, nb, c1, cur);
+        kv_group_issue<D, NW>(ring + ((i + kKvRing - 1) % kKvRing) * SLOT, kc, vc, kv_dim, off, nb, c1, cur, kv_pol);
       cp_async_commit();
     }
     const int n = min(32, c1 - base);
@@ -403,7 +404,8 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
                                                       int n_split, float* partials, int* counters, float* out_all,
                                                       const float* rope_cs, float* sm, bool wait_prev,
                                                       int min_chunk = kDecMinChunk, int defer = 0,
-                                                      bool warm_pass = false, int tree_min = 0, int leaf = 8) {
+                                                      bool warm_pass = false, int tree_min = 0, int leaf = 8,
+                                                      int kv_evict = 0) {
   constexpr int HD = D * 32, PS = attention_partial_stride(HD), kWarps = kDecWarps;
   static_assert(HD <= kWarps * 32, "a thread per RoPE table entry");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -431,10 +433,11 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
   // the slice's first kKvRing groups of K/V rows: their copies overlap the norm and RoPE below (and, with
   // programmatic dependent launch, the previous kernel's tail)
   __half* ring = reinterpret_cast<__half*>(wacc);
+  const uint64_t kv_pol = l2_evict_first(kv_evict);  // the cache rows evict_first in L2 (kEvictKv)
   for (int s = 0; s < kKvRing; ++s) {
     if (c0 + 32 * s < c1)
       kv_group_issue<D, kWarps>(ring + s * kv_slot_halves(HD), kc, vc, kv_dim, static_cast<int64_t>(g) * HD,
-                                c0 + 32 * s, c1, pos);
+                                c0 + 32 * s, c1, pos, kv_pol);
     cp_async_commit();
   }
   __shared__ bool last;
@@ -493,7 +496,7 @@ __device__ __forceinline__ void attention_decode_item(int g, int sp, const float
     // the warm pass covers the first group only and issues or commits nothing: the ring still holds the
     // first group's rows (its `cur` row rewritten) for the real pass
     attend_heads_block<D, G, kWarps>(qs, kc, vc, kv_dim, g * HD, c0, warm ? min(c1, c0 + 32) : c1, pos, kn, vn, ring,
-                                     !warm, tc, m, l, acc);
+                                     !warm, tc, m, l, acc, kv_pol);
   }
   float* part_base = partials + static_cast<int64_t>(g) * n_split * G * PS;
   float* part = part_base + sp * G * PS;

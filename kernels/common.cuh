@@ -121,6 +121,60 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
                : "memory");
 #endif
 }
+// L2 eviction priority (MOE_CUDA_EVICT, launch.cuh): the decode's weight rows and cache rows are read
+// once per token, so they go to L2 marked evict_first and leave room for what is read again soon (the
+// next layer's Q/K/V rows sent ahead, the O projection's rows, the activations). l2_evict_first(on): the
+// policy operand of the .L2::cache_hint forms below, or 0, for which they issue the plain forms.
+__device__ __forceinline__ uint64_t l2_evict_first(bool on) {
+  uint64_t p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (on) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes, uint64_t pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (!pol) {
+    bulk_prefetch_l2(p, bytes);
+    return;
+  }
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(__cvta_generic_to_global(p)),
+               "r"(bytes), "l"(pol)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (!pol) {
+    bulk_copy_g2s(dst, src, bytes, bar);
+    return;
+  }
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_addr(dst)), "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_addr(bar)), "l"(pol)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint64_t pol) {
+  if (!pol) {
+    cp_async16(dst, src);
+    return;
+  }
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "l"(pol)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok, uint64_t pol) {
+  if (!pol) {
+    cp_async16_zfill(dst, src, ok);
+    return;
+  }
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(ok ? 16 : 0), "l"(pol)
+               : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t done = 0;

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
                                                          const float* __restrict__ ref, int n_expert, int n_used,
                                                          int32_t* ids_out, float* w_out, float* act,
                                                          const __grid_constant__ EarlyIds early,
-                                                         const __grid_constant__ L2Ahead ahead) {
+                                                         const __grid_constant__ L2Ahead ahead, int evict) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[8][16];
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(256, 3) tc_gate_up_kernel(const __grid_constan
   if (warp == 0 && lane < 2) {
     const Mat& P = lane == 0 ? G : U;
     bulk_prefetch_l2(P.data + e * P.expert_stride + r0 * P.row_stride,
-                     static_cast<uint32_t>(min(16, P.rows - r0) * P.row_stride));
+                     static_cast<uint32_t>(min(16, P.rows - r0) * P.row_stride), l2_evict_first(evict & kEvictGateUp));
   }
   MOE_TRACE_MARK(3);
   stage_finish<2>(h, G.cols, kAcc ? norm_w : nullptr, eps, xl, xq, red, kAcc ? s_scale : 0.f);
@@ -162,7 +162,7 @@ template <uint32_t T, bool kSm>
 __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, const int32_t* ids, const float* weights,
                                              int n_used, float* x, const XQ& xq, uint8_t* srows, uint64_t* bar,
                                              float* red, float (*part)[16], int32_t* sid, float* sw,
-                                             const EarlyIds& early, bool x_early) {
+                                             const EarlyIds& early, bool x_early, int evict) {
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, tid = threadIdx.x;
   const int r0 = blockIdx.x * 16, nr = min(16, D.rows - r0);
   const int n = D.cols * n_used;
@@ -173,10 +173,11 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   const int64_t slot_bytes = 16 * D.row_stride;
   // this block's rows of expert id: to L2, or (kSm) into shared-memory slot s (an arrival on the barrier
   // announcing the bytes, then the copy)
-  auto prefetch_rows = [&](int id) { bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, tile_bytes); };
+  const uint64_t pol = l2_evict_first(evict & kEvictDown);
+  auto prefetch_rows = [&](int id) { bulk_prefetch_l2(D.data + id * es + r0 * D.row_stride, tile_bytes, pol); };
   auto fetch_rows = [&](int s, int id) {
     mbar_arrive_tx(bar, tile_bytes);
-    bulk_copy_g2s(srows + s * slot_bytes, D.data + id * es + r0 * D.row_stride, tile_bytes, bar);
+    bulk_copy_g2s(srows + s * slot_bytes, D.data + id * es + r0 * D.row_stride, tile_bytes, bar, pol);
   };
   __shared__ int s_refetch;
   if constexpr (kSm) {
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
                                                                      const float* __restrict__ weights, int n_used,
                                                                      float* x, const __grid_constant__ L2Ahead ahead,
                                                                      const __grid_constant__ EarlyIds early,
-                                                                     bool x_early) {
+                                                                     bool x_early, int evict) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ float red[32];
   __shared__ float part[kDownWarps][16];
@@ -275,15 +276,15 @@ __global__ void __launch_bounds__(kDownWarps * 32, 1) tc_down_kernel(const __gri
   switch (D.type) {
     case layout::Q4_K:
       tc_down_body<layout::Q4_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early,
-                                       x_early);
+                                       x_early, evict);
       break;
     case layout::Q5_K:
       tc_down_body<layout::Q5_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early,
-                                       x_early);
+                                       x_early, evict);
       break;
     case layout::Q6_K:
       tc_down_body<layout::Q6_K, kSm>(D, act, ids, weights, n_used, x, xq, srows, &bar, red, part, sid, sw, early,
-                                       x_early);
+                                       x_early, evict);
       break;
     default: break;
   }
@@ -308,7 +309,7 @@ cudaError_t tc_gate_up(const Mat& G, const Mat& U, const float* h, const float* 
   const int tiles = (G.rows + 15) / 16;
   return launch_pdl(tc_gate_up_kernel<false>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, h,
                     static_cast<const float*>(nullptr), 0.f, logits, static_cast<const long long*>(nullptr),
-                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{}, L2Ahead{});
+                    static_cast<const float*>(nullptr), n_expert, n_used, ids, weights, act, EarlyIds{}, L2Ahead{}, 0);
 }
 
 namespace {
@@ -331,7 +332,7 @@ cudaError_t tc_gate_up_acc(const Mat& G, const Mat& U, const float* x, const flo
   return launch_pdl(tc_gate_up_kernel<true>, dim3(tiles * n_used), dim3(256), xq_smem(G.cols), s, G, U, x, norm_w, eps,
                     static_cast<const float*>(nullptr), static_cast<const long long*>(acc.acc),
                     static_cast<const float*>(acc.ref), acc.n, n_used, ids, weights, act,
-                    early ? *early : EarlyIds{}, checked_ahead(ahead));
+                    early ? *early : EarlyIds{}, checked_ahead(ahead), l2_evict_mask());
 }
 
 cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const float* weights, int n_used, float* x,
@@ -346,7 +347,8 @@ cudaError_t tc_down(const Mat& D, const float* act, const int32_t* ids, const fl
   const bool sm = env_switch("MOE_CUDA_DOWN_SMEM", true) && with_rows <= kTcMaxSmem;
   return launch_pdl(sm ? tc_down_kernel<true> : tc_down_kernel<false>, dim3((D.rows + 15) / 16),
                     dim3(kDownWarps * 32), sm ? with_rows : xq_smem(n), s, D, act, ids, weights, n_used, x, ah,
-                    early ? *early : EarlyIds{}, env_switch("MOE_CUDA_X_EARLY", true));
+                    early ? *early : EarlyIds{}, env_switch("MOE_CUDA_X_EARLY", true),
+                    l2_evict_mask());
 }
 
 }  // namespace moe::cuda::k

@@ -574,6 +574,7 @@ GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float*
   a.eps = eps;
   a.cols = outs[0].W.cols;
   a.accumulate = accumulate ? 1 : 0;
+  a.evict = l2_evict_mask() & kEvictLmHead;
   return a;
 }
 

@@ -258,13 +258,15 @@ struct LmPipe {
   // issues the next super-block's copies (an empty group past the warp's last tile: the counts stay uniform)
   __device__ void issue() {
     if (it_tile < total) {
+      const uint64_t pol = l2_evict_first(a.evict & kEvictLmHead);
       int m;
       const int r0 = tile_row0(a, it_tile, m);
       const Mat& W = a.outs[m].W;
       uint8_t* dst = ring + slot * 16 * BB;
       for (int c = threadIdx.x & 31; c < BB; c += 32) {  // BB 16-byte pieces: 16 rows of BB / 16
         const int rr = c / (BB / 16), cc = c - rr * (BB / 16);
-        cp_async16(dst + rr * BB + cc * 16, W.data + min(r0 + rr, W.rows - 1) * W.row_stride + it_sb * BB + cc * 16);
+        cp_async16(dst + rr * BB + cc * 16, W.data + min(r0 + rr, W.rows - 1) * W.row_stride + it_sb * BB + cc * 16,
+                   pol);
       }
     }
     cp_async_commit();

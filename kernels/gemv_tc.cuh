@@ -32,6 +32,7 @@ struct GemvArgs {
   int lm_pipe = 0;                // the warp-tile kernel (LM head): super-blocks through shared memory (tc_gemv)
   int y_early = 0;                // y's rows of a block's first tile read before the wait (o_proj_router: x is
                                   // not written by the kernel just before it)
+  int evict = 0;                  // l2_evict_mask()'s kEvictLmHead: the warp-tile kernel's rows evict_first in L2
 };
 GemvArgs gemv_args(const GemvOut* outs, int n_outs, const float* x, const float* norm_w, float eps, bool accumulate,
                    int rows_per_tile, const L2Hint* hint);

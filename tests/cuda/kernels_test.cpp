@@ -907,6 +907,88 @@ TEST(CudaKernels, AttentionSlicesMergedByTheOProjection) {
   cudaGetLastError();
 }
 
+// The L2 eviction hints (MOE_CUDA_EVICT, launch.cuh) change where the decode's reads stay in L2, never what
+// they read: the LM head's warp tiles, the decode attention over several K/V groups per slice, and the
+// expert gate/up and down kernels (rows through shared memory and through L2) give the same bits with the
+// hints on and off.
+TEST(CudaKernels, L2EvictionHintsChangeNoResult) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  // LM head: more tiles than a wave, one per warp
+  const int64_t rows = 6 * 16 * static_cast<int64_t>(k::sm_count()) + 37, cols = 512;
+  QMatrix W(Type::Q6_K, rows, cols, rng);
+  const std::vector<float> xl = randn(cols, rng);
+  // attention: 2 KV heads of 4 query heads, 300 cached positions in 4 slices of 96 (three groups each)
+  const int hd = 128, n_kv = 2, G = 4, n_head = n_kv * G, past = 300, n_split = 4;
+  const int Q = n_head * hd, KV = n_kv * hd;
+  std::vector<uint16_t> hk(static_cast<size_t>(past + 1) * KV), hv(hk.size());
+  for (size_t i = 0; i < hk.size(); ++i) {
+    hk[i] = moe::quant::f32_to_fp16(randn(1, rng)[0]);
+    hv[i] = moe::quant::f32_to_fp16(randn(1, rng)[0]);
+  }
+  const std::vector<float> qkv = randn(static_cast<size_t>(Q + 2 * KV), rng, 2.f), qn = randn(hd, rng),
+                           kn = randn(hd, rng);
+  k::Rope rope;
+  rope.theta_scale = std::pow(1e6f, -2.0f / hd);
+  // experts: the routing from the O projection's sums, 4 of 16 experts
+  const int n = 512, C = 1024, X = 16, K = 4, F = 256;
+  QMatrix O(Type::Q4_K, n, C, rng, 0.05f), R(Type::F32, X, n, rng, 0.2f);
+  QMatrix Gm(Type::Q4_K, X * F, n, rng), U(Type::Q4_K, X * F, n, rng), D(Type::Q6_K, X * n, F, rng);
+  const std::vector<float> x = randn(n, rng, 2.f), o = randn(C, rng), g = randn(n, rng);
+  std::vector<float> want[4];
+  for (const char* ev : {"0", "15"})
+    for (const char* sm : {"1", "0"}) {
+      SCOPED_TRACE(::testing::Message() << "MOE_CUDA_EVICT=" << ev << " MOE_CUDA_DOWN_SMEM=" << sm);
+      setenv("MOE_CUDA_EVICT", ev, 1);
+      setenv("MOE_CUDA_DOWN_SMEM", sm, 1);
+      std::vector<float> got[4];
+      {
+        Dev<float> dx(xl), dy(std::vector<float>(rows, 0.f));
+        k::GemvOut out{W.mat(), dy.p};
+        ok(k::gemv(&out, 1, dx.p, nullptr, 0.f, true, nullptr, nullptr, nullptr, true));
+        ok(cudaDeviceSynchronize());
+        got[0] = dy.get();
+      }
+      {
+        Dev<float> dqkv(qkv), dqn(qn), dkn(kn), out(Q), partials(k::attention_partials_floats(n_kv, n_split, G, hd));
+        Dev<uint16_t> dk(hk), dv(hv);
+        Dev<int32_t> dpos(std::vector<int32_t>{past});
+        Dev<int> counters(std::vector<int>(k::attention_counter_ints(n_kv, n_split), 0));
+        ok(k::attention_decode(dqkv.p, dpos.p, dqn.p, dkn.p, 1e-6f, rope, dk.p, dv.p, n_head, n_kv, hd, n_split,
+                               partials.p, counters.p, out.p, nullptr, nullptr, 0));
+        ok(cudaDeviceSynchronize());
+        got[1] = out.get();
+      }
+      {
+        Dev<float> dx(x), dO(o), dg(g), dw(K), act(K * F), ref(std::vector<float>{1.f});
+        Dev<long long> sums(std::vector<long long>(X + 1, 0));
+        Dev<int32_t> di(K);
+        const k::RouterAcc ra = router_acc(sums.p, ref.p, X);
+        ok(k::o_proj_router(O.mat(), dO.p, dx.p, R.mat(), dg.p, ra, nullptr));
+        ok(k::expert_gate_up_acc(Gm.mat(F), U.mat(F), dx.p, dg.p, 1e-6f, ra, K, di.p, dw.p, act.p, nullptr, nullptr));
+        ok(k::expert_down_add(D.mat(n), act.p, di.p, dw.p, K, dx.p, nullptr, nullptr, nullptr));
+        ok(cudaDeviceSynchronize());
+        got[2] = act.get();
+        got[3] = dx.get();
+      }
+      for (int i = 0; i < 4; ++i) {
+        if (want[i].empty()) {
+          want[i] = got[i];
+          double moved = 0;
+          for (float v : got[i]) moved += std::fabs(v);
+          EXPECT_GT(moved, 0.0) << "output " << i;
+          continue;
+        }
+        ASSERT_EQ(got[i].size(), want[i].size());
+        for (size_t r = 0; r < got[i].size(); ++r) ASSERT_EQ(got[i][r], want[i][r]) << "output " << i << " row " << r;
+      }
+    }
+  unsetenv("MOE_CUDA_EVICT");
+  unsetenv("MOE_CUDA_DOWN_SMEM");
+}
+
 // The fused decode attention (norm + RoPE + KV store + attention of one new token) against the same
 // twin: the new position's K/V are read back fp16-rounded like every cached one.
 TEST(CudaKernels, AttentionDecodeFusesNormRopeAndStore) {
