@@ -204,6 +204,9 @@ __device__ __forceinline__ void tc_down_body(const Mat& D, const float* act, con
   float x_pre = 0.f;
   if (x_early && tid < 16 && r0 + tid < D.rows) x_pre = __ldcg(x + r0 + tid);
   pdl_sync();
+#ifdef MOE_TRACE
+  if (kSm && tid == 0 && mbar_test(bar, 0)) MOE_TRACE_MARK(6);  // mark 6: every early copy in by the wait
+#endif
   XLoad<2> xl;
   stage_load<2>(act, n, nullptr, xl);
   MOE_TRACE_MARK(1);

@@ -409,6 +409,16 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
     if (r < a.outs[m].W.rows) y_pre = __ldcg(a.outs[m].y + r);
   }
   pdl_sync();
+#ifdef MOE_TRACE
+  // mark 6: the tile's copy seen complete right after the wait, or else before the staging (kSm). (Mark 5,
+  // thread 0 past the mbarrier after the staging, lags the copy: its try_wait queues behind the other warps'
+  // shared-memory loads of the MMA phase; docs/PERFORMANCE.md version 24.)
+  bool tile_seen = false;
+  if (kSm && threadIdx.x == 0 && blockIdx.x < total && mbar_test(&bar, 0)) {
+    MOE_TRACE_MARK(6);
+    tile_seen = true;
+  }
+#endif
   XLoad<R> xl;
   if constexpr (R == 2) {
     if (slices)
@@ -422,6 +432,9 @@ __global__ void __launch_bounds__(kW * 32, kWarpTiles ? 2 : R == 2 && !kRoute ? 
   MOE_TRACE_MARK(1);
   prefetch(blockIdx.x + gridDim.x);
   MOE_TRACE_MARK(2);
+#ifdef MOE_TRACE
+  if (kSm && threadIdx.x == 0 && blockIdx.x < total && !tile_seen && mbar_test(&bar, 0)) MOE_TRACE_MARK(6);
+#endif
   const float scale = stage_finish<R>(a.x, a.cols, a.norm_w, a.eps, xl, xq, red);
   if (a.prep.acc && blockIdx.x == 0) {  // the O projection's router sums start from zero (launch.cuh)
     for (int c = threadIdx.x; c <= a.prep.n; c += blockDim.x) a.prep.acc[c] = 0;
