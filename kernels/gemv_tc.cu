@@ -241,23 +241,72 @@ __device__ __forceinline__ int tile_row0(const GemvArgs& a, int tile, int& m) {
   while (tile >= a.tiles_before[m + 1]) ++m;
   return (tile - a.tiles_before[m]) * 16;
 }
+// The named barrier 1 + p of warps 2p and 2p + 1 (immediate ids: with an id in a register ptxas reserves
+// all 16 of the block's barriers).
+__device__ __forceinline__ void pair_barrier(int p) {
+  switch (p) {
+    case 0: asm volatile("bar.sync 1, 64;" ::: "memory"); break;
+    case 1: asm volatile("bar.sync 2, 64;" ::: "memory"); break;
+    case 2: asm volatile("bar.sync 3, 64;" ::: "memory"); break;
+    case 3: asm volatile("bar.sync 4, 64;" ::: "memory"); break;
+    case 4: asm volatile("bar.sync 5, 64;" ::: "memory"); break;
+    case 5: asm volatile("bar.sync 6, 64;" ::: "memory"); break;
+    case 6: asm volatile("bar.sync 7, 64;" ::: "memory"); break;
+    default: asm volatile("bar.sync 8, 64;" ::: "memory"); break;
+  }
+}
+// The order of a warp's super-blocks: its whole tiles w, w + W, ... (W warps in the grid), and with
+// `halves` its share of the tiles left over by the last round. Those (lc of them, lc <= W / 2) are not
+// each a whole tile of lc warps, which kept those warps one tile longer than the rest (LM head: 9,496
+// tiles over 2,112 warps, 1,048 of them doing 5 and the others 4, ~15 us of a 75 us kernel after the
+// median block had ended, trace): each goes to a pair of warps of one block (warps 2p and 2p + 1, p <
+// kW / 2), the first half of its super-blocks to the even warp, the rest to the odd one, and the pair
+// adds its two partial sums (named barrier 1 + p), the even warp's first: the same bits run to run.
+// LM head 71.8 vs 76.7 us (trace), BM_Decode/0 +0.5 % (MOE_CUDA_LM_HALVES=0: whole tiles).
+struct LmOrder {
+  int total, full_end, stride, nsb, half_tile, sb0, sb1;
+  __device__ LmOrder(int tiles, int n_sb, int kw, bool allow) : total(tiles), stride(gridDim.x * kw), nsb(n_sb) {
+    const int warp = threadIdx.x >> 5, lc = tiles % stride;
+    const bool halves = allow && kw % 2 == 0 && kw <= 16 && n_sb >= 2 && lc > 0 && 2 * lc <= stride;
+    full_end = halves ? tiles - lc : tiles;
+    const int pair_tile = blockIdx.x * (kw / 2) + warp / 2;
+    half_tile = halves && pair_tile < lc ? full_end + pair_tile : -1;
+    sb0 = warp & 1 ? n_sb / 2 : 0;
+    sb1 = warp & 1 ? n_sb : n_sb / 2;
+  }
+  __device__ void first(int& tile, int& sb) const {
+    const int gw = blockIdx.x * (stride / gridDim.x) + (threadIdx.x >> 5);
+    tile = gw < full_end ? gw : half_tile >= 0 ? half_tile : total;
+    sb = tile == half_tile ? sb0 : 0;
+  }
+  __device__ int end_sb(int tile) const { return tile == half_tile ? sb1 : nsb; }
+  __device__ void next(int& tile, int& sb) const {
+    if (tile >= total || ++sb < end_sb(tile)) return;
+    if (tile == half_tile) {
+      tile = total;
+      return;
+    }
+    tile += stride;
+    if (tile >= full_end) tile = half_tile >= 0 ? half_tile : total;
+    sb = tile == half_tile ? sb0 : 0;
+  }
+};
 template <uint32_t T, int kW>
 struct LmPipe {
   static constexpr int BB = sb_bytes<T>();  // bytes of a row's super-block (a multiple of 16)
   const GemvArgs& a;
   uint8_t* ring;  // this warp's kLmStages x 16 rows x BB bytes
-  int nsb, total, stride;
+  LmOrder order;
   int it_tile, it_sb, slot;  // the next super-block to issue and its ring slot
   __device__ LmPipe(const GemvArgs& args, uint8_t* smem_base, int tiles)
-      : a(args), nsb(args.cols / 256), total(tiles), stride(gridDim.x * kW), slot(0) {
+      : a(args), order(tiles, args.cols / 256, kW, args.lm_pipe == 2), slot(0) {
     const int warp = threadIdx.x >> 5;
     ring = smem_base + lm_ring_offset(args.cols) + static_cast<size_t>(warp) * kLmStages * 16 * BB;
-    it_tile = blockIdx.x * kW + warp;
-    it_sb = 0;
+    order.first(it_tile, it_sb);
   }
   // issues the next super-block's copies (an empty group past the warp's last tile: the counts stay uniform)
   __device__ void issue() {
-    if (it_tile < total) {
+    if (it_tile < order.total) {
       const uint64_t pol = l2_evict_first(a.evict & kEvictLmHead);
       int m;
       const int r0 = tile_row0(a, it_tile, m);
@@ -273,23 +322,22 @@ struct LmPipe {
     advance();
   }
   __device__ void advance() {
-    if (it_tile < total && ++it_sb == nsb) {
-      it_sb = 0;
-      it_tile += stride;
-    }
+    order.next(it_tile, it_sb);
     slot = slot + 1 == kLmStages ? 0 : slot + 1;
   }
   // before the kernel's wait: the first kLmStages - 1 super-blocks
   __device__ void prologue() {
     for (int i = 0; i < kLmStages - 1; ++i) issue();
   }
-  // after the staging of x: the rest (a fresh LmPipe: the prologue's super-blocks are skipped, not issued)
+  // after the staging of x: the rest (a fresh LmPipe: the prologue's super-blocks are skipped, not issued).
+  // part16: this warp's 16 floats of shared memory, the next warp's right after them (LmOrder's pairs).
   __device__ void run(const XQ& xq, float* part16) {
     for (int i = 0; i < kLmStages - 1; ++i) advance();
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int tile = blockIdx.x * kW + (threadIdx.x >> 5), sb = 0, cur = 0;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    int tile, sb, cur = 0;
+    order.first(tile, sb);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (; tile < total;) {
+    while (tile < order.total) {
       cp_async_wait<kLmStages - 2>();  // this lane's copies of super-block `cur` have landed
       __syncwarp();                    // and every lane's; the slot issued next was read one step ago
       issue();
@@ -298,21 +346,23 @@ struct LmPipe {
       load_sb<T, true>(st + g * BB, st + (g + 8) * BB, t, r);
       mma_sb<T>(r, sb, 1.f, xq, g, t, acc);
       cur = cur + 1 == kLmStages ? 0 : cur + 1;
-      if (++sb == nsb) {
+      if (sb + 1 == order.end_sb(tile)) {
         int m;
         const int r0 = tile_row0(a, tile, m);
         warp_rows_to_smem(acc, part16);
         __syncwarp();
-        if (lane < 16 && r0 + lane < a.outs[m].W.rows) {
+        const bool half = tile == order.half_tile;
+        if (half) pair_barrier(warp / 2);  // the pair's partials
+        if ((!half || (warp & 1) == 0) && lane < 16 && r0 + lane < a.outs[m].W.rows) {
           float* yr = a.outs[m].y + r0 + lane;
-          *yr = a.accumulate ? *yr + part16[lane] : part16[lane];
+          const float v = half ? part16[lane] + part16[16 + lane] : part16[lane];
+          *yr = a.accumulate ? *yr + v : v;
         }
-        __syncwarp();  // part16 is reused by the next tile
+        __syncwarp();  // part16 is reused by the next tile (a half tile is a warp's last)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i] = 0.f;
-        sb = 0;
-        tile += stride;
       }
+      order.next(tile, sb);
     }
     cp_async_wait<0>();
   }
@@ -559,7 +609,8 @@ cudaError_t tc_gemv(const GemvArgs& a, cudaStream_t s) {
   if (!a.router && tiles > static_cast<int>(grid.x)) {
     // the super-blocks through shared memory (LmPipe) when all matrices have one type; MOE_CUDA_LM_PIPE=0 off
     GemvArgs b = a;
-    b.lm_pipe = env_switch("MOE_CUDA_LM_PIPE", true) ? 1 : 0;
+    // 2: the tiles left by the last round split over pairs of warps (LmOrder; MOE_CUDA_LM_HALVES=0: whole)
+    b.lm_pipe = env_switch("MOE_CUDA_LM_PIPE", true) ? (env_switch("MOE_CUDA_LM_HALVES", true) ? 2 : 1) : 0;
     for (int i = 1; i < a.n_outs; ++i)
       if (a.outs[i].W.type != a.outs[0].W.type) b.lm_pipe = 0;
     const size_t sm = b.lm_pipe ? lm_ring_offset(a.cols) + lm_ring_bytes(NW) : smem;

@@ -29,7 +29,8 @@ struct GemvArgs {
   const float* router_norm = nullptr;
   int skip_prefetch = 0;          // the weights were sent to L2 by an earlier kernel (gemv's weights_in_l2)
   AttSlices att;                  // O: the attention's slices to merge while staging x (launch.cuh)
-  int lm_pipe = 0;                // the warp-tile kernel (LM head): super-blocks through shared memory (tc_gemv)
+  int lm_pipe = 0;                // the warp-tile kernel (LM head): super-blocks through shared memory (tc_gemv);
+                                  // 2: with the last round's tiles split over pairs of warps (LmOrder)
   int y_early = 0;                // y's rows of a block's first tile read before the wait (o_proj_router: x is
                                   // not written by the kernel just before it)
   int evict = 0;                  // l2_evict_mask()'s kEvictLmHead: the warp-tile kernel's rows evict_first in L2

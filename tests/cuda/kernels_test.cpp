@@ -52,18 +52,33 @@ TEST(CudaKernels, GemvEveryTypeMatchesDequantizedDot) {
 // Matrices of more tiles than a wave of blocks (the LM head) run one tile per warp (kWarpTiles): every
 // K-quant, an uneven last tile, accumulate into y, and the weights said to be in L2 already; tiles of 2
 // and 5 super-blocks, through shared memory (LmPipe: fewer and more super-blocks per tile than its
-// stages) and with MOE_CUDA_LM_PIPE=0 from global memory.
+// stages) and with MOE_CUDA_LM_PIPE=0 from global memory; the last round's tiles split over pairs of
+// warps (LmOrder: 2, 3 and 5 super-blocks split 1 + 1, 1 + 2, 2 + 3) and with MOE_CUDA_LM_HALVES=0 whole.
 TEST(CudaKernels, GemvManyTilesOnePerWarpMatchDequantizedDot) {
   REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  const int64_t rows = 6 * 16 * static_cast<int64_t>(k::sm_count()) + 37;
+  // the kernel's warps: two blocks of 8 per SM. Tiles: fewer than the warps (each a half tile for a pair of
+  // warps), one round and a quarter (the last quarter in halves), one round and three quarters (whole tiles)
+  const int64_t warps = 2 * 8 * static_cast<int64_t>(k::sm_count());
+  struct Case {
+    const char *pipe, *halves;
+    int64_t rows, cols;
+  };
+  std::vector<Case> cases;
+  const int64_t few = 6 * 16 * static_cast<int64_t>(k::sm_count()) + 37;
   for (const char* pipe : {"1", "0"})
-  for (int64_t cols : {512, 1280})
+    for (int64_t cols : {512, 1280}) cases.push_back({pipe, "1", few, cols});
+  for (const char* halves : {"1", "0"})
+    for (int64_t q : {1, 3}) cases.push_back({"1", halves, 16 * (warps + q * warps / 4) - 5, q == 1 ? 768 : 512});
+  for (const Case& c : cases)
   for (Type t : {Type::Q4_K, Type::Q5_K, Type::Q6_K}) {
-    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " cols " << cols << " MOE_CUDA_LM_PIPE=" << pipe);
-    setenv("MOE_CUDA_LM_PIPE", pipe, 1);
+    const int64_t rows = c.rows, cols = c.cols;
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " rows " << rows << " cols " << cols
+                                      << " MOE_CUDA_LM_PIPE=" << c.pipe << " MOE_CUDA_LM_HALVES=" << c.halves);
+    setenv("MOE_CUDA_LM_PIPE", c.pipe, 1);
+    setenv("MOE_CUDA_LM_HALVES", c.halves, 1);
     QMatrix W(t, rows, cols, rng);
     std::vector<float> x = randn(cols, rng), y0 = randn(rows, rng);
     Dev<float> dx(x), dy(y0);
@@ -76,6 +91,7 @@ TEST(CudaKernels, GemvManyTilesOnePerWarpMatchDequantizedDot) {
                    std::fabs(y0[r]) + abs_dot(&W.deq[r * cols], x.data(), cols), "gemv", r);
   }
   unsetenv("MOE_CUDA_LM_PIPE");
+  unsetenv("MOE_CUDA_LM_HALVES");
 }
 
 TEST(CudaKernels, GemvFusedNormThreeMatricesAndAccumulate) {
@@ -441,6 +457,68 @@ TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
               << "rank " << j;
         }
       }
+}
+
+// The choice from o_proj_router's fixed-point sums inside the gate/up kernel (rank_experts: its count of
+// the greater sums, and its exact fallback where the best tie), on sums written here: random, on a coarse
+// grid (ties), all equal, sorted either way (one warp holding every one of the best, or none), and so
+// large that distinct sums round to one float (the ranking is of the floats, ties to the lower id);
+// expert counts around the warps' width. The twin: a stable sort of the sums as floats.
+TEST(CudaKernels, ExpertChoiceFromSumsEveryPattern) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 256, F = 16;
+  const float eps = 1e-6f;
+  const std::vector<float> x = randn(E, rng), g = randn(E, rng);
+  Dev<float> dx(x), dg(g), ref(std::vector<float>{1.f});
+  for (int X : {1, 9, 31, 32, 33, 64, 128, 200, 256}) {
+    QMatrix G(Type::Q4_K, X * F, E, rng), U(Type::Q4_K, X * F, E, rng);
+    Dev<long long> sums(X + 1);
+    const k::RouterAcc ra = router_acc(sums.p, ref.p, X);
+    for (int pattern = 0; pattern < 7; ++pattern) {
+      std::vector<long long> v(X + 1);
+      std::normal_distribution<double> nd(0.0, 1.0);
+      for (int e = 0; e < X; ++e) {
+        switch (pattern) {
+          case 0: v[e] = std::llround(nd(rng) * 0x1p33); break;                  // fine
+          case 1: v[e] = std::llround(std::round(nd(rng) * 2) * 0x1p31); break;  // steps of 0.5: ties
+          case 2: v[e] = 0; break;                                                // all equal
+          case 3: v[e] = -5LL << 32; break;                                       // all equal, negative
+          case 4: v[e] = static_cast<long long>(X - e) << 30; break;              // the best first
+          case 5: v[e] = static_cast<long long>(e) << 30; break;                  // the best last
+          default: v[e] = (1LL << 60) + e * 1000LL; break;                        // one float for all
+        }
+      }
+      v[X] = static_cast<long long>(E) << 32;  // Σ x² = E: rmsnorm's scale ~1
+      std::vector<float> lf(X);
+      for (int e = 0; e < X; ++e) lf[e] = static_cast<float>(v[e]);
+      std::vector<int> order(X);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return lf[a] > lf[b]; });
+      const double scale = 1.0 / std::sqrt(1.0 + eps);
+      for (int K : {1, 3, 8, 64}) {
+        if (K > X) continue;
+        double wsum = 0;
+        std::vector<double> wv(K);
+        for (int j = 0; j < K; ++j)
+          wsum += wv[j] = std::exp((static_cast<double>(lf[order[j]]) - lf[order[0]]) * 0x1p-32 * scale);
+        SCOPED_TRACE(::testing::Message() << X << " experts, " << K << " chosen, pattern " << pattern);
+        sums.put(v);
+        Dev<int32_t> di(K);
+        Dev<float> dw(K), act(K * F);
+        ok(k::expert_gate_up_acc(G.mat(F), U.mat(F), dx.p, dg.p, eps, ra, K, di.p, dw.p, act.p, nullptr));
+        ok(cudaDeviceSynchronize());
+        const std::vector<int32_t> gi = di.get();
+        const std::vector<float> gw = dw.get();
+        for (int j = 0; j < K; ++j) {
+          ASSERT_EQ(gi[j], order[j]) << "rank " << j;
+          EXPECT_NEAR(gw[j], wv[j] / wsum, 1e-5) << "rank " << j;
+        }
+      }
+    }
+  }
 }
 
 // The chosen experts' ids as an early hint for the down kernel (k::EarlyIds): the gate/up kernel writes
