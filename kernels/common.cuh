@@ -394,7 +394,10 @@ __device__ __forceinline__ void count_before(const float* s_logit, int n, F&& f)
 // logits) in rank order and ends with a barrier.
 __device__ __forceinline__ void rank_experts_exact(const float* s_logit, int n, int k, int32_t* s_id, float* s_w) {
   count_before<true>(s_logit, n, [&](int i, float p, int rank) {
-    if (rank < k) {
+    // a NaN compares false with every logit, so its count is 0 whatever the others: it would race the best
+    // logit for slot 0. NaNs are left out; the others' counts never include them (their ranks among the
+    // logits that are numbers), and the slots past those stay 0.
+    if (rank < k && p == p) {
       s_id[rank] = i;
       s_w[rank] = p;  // the logit, in rank order
     }

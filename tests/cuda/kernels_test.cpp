@@ -459,6 +459,60 @@ TEST(CudaKernels, ExpertChoiceTiesAndWidths) {
       }
 }
 
+// NaN router logits (a broken layer; the F2 guard rejects such a run) are left out of the choice, the
+// same way every time: the chosen are the best of the logits that are numbers (ties to the lower id),
+// whether or not a NaN sits where the best would be; with fewer numbers than chosen slots, the slots past
+// them hold valid ids.
+TEST(CudaKernels, ExpertChoiceLeavesNaNLogitsOut) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int E = 256;
+  for (int X : {9, 40, 128, 300})
+    for (int K : {1, 3, 8})
+      for (int nans : {1, 3, X - 2, X}) {
+        SCOPED_TRACE(::testing::Message() << X << " experts, " << K << " chosen, " << nans << " NaN");
+        QMatrix G(Type::Q4_K, X * 16, E, rng), U(Type::Q4_K, X * 16, E, rng);
+        std::vector<float> logits = randn(X, rng, 2.f), h = randn(E, rng);
+        // the first NaN where the best logit is, the others anywhere
+        const int best = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        std::vector<int> at(X);
+        std::iota(at.begin(), at.end(), 0);
+        std::shuffle(at.begin(), at.end(), rng);
+        std::swap(*std::find(at.begin(), at.end(), best), at[0]);
+        for (int i = 0; i < nans; ++i) logits[at[i]] = std::nanf("");
+        std::vector<int> order;
+        for (int e = 0; e < X; ++e)
+          if (!std::isnan(logits[e])) order.push_back(e);
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+        Dev<float> dlg(logits), dh(h), act(K * 16), dw(K);
+        Dev<int32_t> di(K);
+        std::vector<int32_t> first;
+        for (int rep = 0; rep < 3; ++rep) {
+          ok(k::expert_gate_up(G.mat(16), U.mat(16), dh.p, dlg.p, X, K, di.p, dw.p, act.p, nullptr));
+          ok(cudaDeviceSynchronize());
+          const std::vector<int32_t> gi = di.get();
+          for (int j = 0; j < K; ++j) {
+            if (j < static_cast<int>(order.size()))
+              EXPECT_EQ(gi[j], order[j]) << "rank " << j;
+            else
+              EXPECT_TRUE(gi[j] >= 0 && gi[j] < X) << "rank " << j << " past the numbers: id " << gi[j];
+          }
+          if (rep == 0) first = gi;
+          else EXPECT_EQ(gi, first) << "the same choice every time";
+          if (static_cast<int>(order.size()) >= K) {  // the weights of the chosen, renormalised over them
+            const std::vector<float> gw = dw.get();
+            double sum = 0;
+            for (int j = 0; j < K; ++j) sum += std::exp(static_cast<double>(logits[order[j]]) - logits[order[0]]);
+            for (int j = 0; j < K; ++j)
+              EXPECT_NEAR(gw[j], std::exp(static_cast<double>(logits[order[j]]) - logits[order[0]]) / sum, 1e-6)
+                  << "rank " << j;
+          }
+        }
+      }
+}
+
 // The choice from o_proj_router's fixed-point sums inside the gate/up kernel (rank_experts: its count of
 // the greater sums, and its exact fallback where the best tie), on sums written here: random, on a coarse
 // grid (ties), all equal, sorted either way (one warp holding every one of the best, or none), and so
