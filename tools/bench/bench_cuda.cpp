@@ -161,7 +161,11 @@ float* dev_floats(size_t n) {
 }
 
 // Times `launch(stream)` as the decode runs it: kReps launches captured once into a CUDA graph and
-// replayed, so that host launch overhead does not hide (or stand in for) the kernel's own time.
+// replayed, so that host launch overhead does not hide (or stand in for) the kernel's own time. The
+// benchmarks that use it run a fixed kMicroIters replays: with the manual time of one launch (a few
+// microseconds) against the wall time of a replay of kReps, Google Benchmark's default minimum time took
+// ~50x its 0.5 s of wall time per benchmark (BM_AttentionDecode/1 alone ran past 30 s on the H200).
+constexpr int kMicroIters = 40;
 template <typename F>
 void time_kernel(benchmark::State& st, double bytes_per_call, F&& launch) {
   cudaStream_t s;
@@ -234,7 +238,14 @@ void BM_LaunchChain(benchmark::State& st) {
   cudaEventDestroy(e1);
   cudaStreamDestroy(s);
 }
-BENCHMARK(BM_LaunchChain)->Arg(1)->Arg(132)->Arg(320)->Arg(1024)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_LaunchChain)
+    ->Arg(1)
+    ->Arg(132)
+    ->Arg(320)
+    ->Arg(1024)
+    ->Iterations(kMicroIters)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 void BM_GemvLmHeadQ6K(benchmark::State& st) {
   DevMatrix W(Type::Q6_K, 151936, 2048);
@@ -246,7 +257,7 @@ void BM_GemvLmHeadQ6K(benchmark::State& st) {
   cudaFree(x);
   cudaFree(y);
 }
-BENCHMARK(BM_GemvLmHeadQ6K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GemvLmHeadQ6K)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_GemvQkvQ4K(benchmark::State& st) {
   DevMatrix Wq(Type::Q4_K, 4096, 2048), Wk(Type::Q4_K, 512, 2048), Wv(Type::Q6_K, 512, 2048);
@@ -260,7 +271,7 @@ void BM_GemvQkvQ4K(benchmark::State& st) {
   cudaFree(w);
   cudaFree(y);
 }
-BENCHMARK(BM_GemvQkvQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GemvQkvQ4K)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_ExpertGateUpQ4K(benchmark::State& st) {
   DevMatrix G(Type::Q4_K, 128 * 768, 2048), U(Type::Q4_K, 128 * 768, 2048);
@@ -281,7 +292,7 @@ void BM_ExpertGateUpQ4K(benchmark::State& st) {
   for (float* p : {h, act, logits, wt}) cudaFree(p);
   cudaFree(ids);
 }
-BENCHMARK(BM_ExpertGateUpQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ExpertGateUpQ4K)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_ExpertDownQ6K(benchmark::State& st) {
   DevMatrix D(Type::Q6_K, 128 * 2048, 768);
@@ -300,7 +311,7 @@ void BM_ExpertDownQ6K(benchmark::State& st) {
   cudaFree(w);
   cudaFree(ids);
 }
-BENCHMARK(BM_ExpertDownQ6K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ExpertDownQ6K)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_GemvOutProjQ4K(benchmark::State& st) {
   DevMatrix W(Type::Q4_K, 2048, 4096);
@@ -312,7 +323,7 @@ void BM_GemvOutProjQ4K(benchmark::State& st) {
   cudaFree(x);
   cudaFree(y);
 }
-BENCHMARK(BM_GemvOutProjQ4K)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GemvOutProjQ4K)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_RouteF32(benchmark::State& st) {
   DevMatrix R(Type::F32, 128, 2048);
@@ -323,7 +334,7 @@ void BM_RouteF32(benchmark::State& st) {
   time_kernel(st, 128.0 * 2048 * 4, [&](cudaStream_t s) { return k::route_token(x, w, 1e-6f, R.m, h, logits, s); });
   for (float* p : {x, w, h, logits}) cudaFree(p);
 }
-BENCHMARK(BM_RouteF32)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RouteF32)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 // Decode attention (32 query heads, 4 KV heads of 128; norm + RoPE + store of the new row included) over
 // a cache of depth range(0).
@@ -339,10 +350,12 @@ void BM_AttentionDecode(benchmark::State& st) {
   float* qkv = dev_floats(stride);
   float* gains = dev_floats(hd);
   float* out = dev_floats(Hq * hd);
-  float* part = dev_floats(static_cast<size_t>(Hkv) * splits * 8 * k::attention_partial_stride(hd));
+  // the slices' records and the two-level merge's group records, and their counters
+  float* part = dev_floats(k::attention_partials_floats(Hkv, splits, Hq / Hkv, hd));
   int *counters = nullptr, *pos = nullptr;
-  ck(cudaMalloc(reinterpret_cast<void**>(&counters), Hkv * 4));
-  ck(cudaMemset(counters, 0, Hkv * 4));
+  const size_t n_counters = static_cast<size_t>(k::attention_counter_ints(Hkv, splits)) * sizeof(int);
+  ck(cudaMalloc(reinterpret_cast<void**>(&counters), n_counters));
+  ck(cudaMemset(counters, 0, n_counters));
   ck(cudaMalloc(reinterpret_cast<void**>(&pos), 4));
   ck(cudaMemcpy(pos, &depth, 4, cudaMemcpyHostToDevice));
   k::Rope rope;
@@ -357,7 +370,12 @@ void BM_AttentionDecode(benchmark::State& st) {
   cudaFree(counters);
   cudaFree(pos);
 }
-BENCHMARK(BM_AttentionDecode)->Arg(1)->Arg(4096)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_AttentionDecode)
+    ->Arg(1)
+    ->Arg(4096)
+    ->Iterations(kMicroIters)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // Prefill attention of range(0) new tokens after range(1) cached ones (32 query heads, 4 KV heads of 128);
 // counter TFLOPs: attention TFLOP/s (QK^T and PV over the visible positions).
@@ -397,7 +415,7 @@ void BM_ArgmaxVocab(benchmark::State& st) {
   cudaFree(scratch);
   cudaFree(out);
 }
-BENCHMARK(BM_ArgmaxVocab)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ArgmaxVocab)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 // ---- the whole forward ---------------------------------------------------------------------------------
 struct Loaded {
