@@ -901,10 +901,13 @@ TEST(CudaGemm, IntegerDenseWideTilesAccumulate) {
         ok(cudaDeviceSynchronize());
         const std::vector<float> Y = dY.get();
         Check check(std::string(split ? "fp16 " : "") + "dense " + name + ", " + dist_name(d), split ? 0.5 : 0.4);
+        std::vector<double> ref_s(c.ntok * c.rows), ref_a(c.ntok * c.rows);  // the twin's dots, on every core
+        gpu_test::parallel_for(c.ntok * c.rows, [&](int64_t j) {
+          dot2(&W.deq[(j % c.rows) * c.cols], &X[(j / c.rows) * c.cols], c.cols, ref_s[j], ref_a[j]);
+        });
         for (int64_t tk = 0; tk < c.ntok; ++tk) {
           for (int64_t r = 0; r < c.rows; ++r) {
-            double s, a;
-            dot2(&W.deq[r * c.cols], &X[tk * c.cols], c.cols, s, a);
+            const double s = ref_s[tk * c.rows + r], a = ref_a[tk * c.rows + r];
             const size_t i = tk * y_stride + r;
             check(Y[i], Y0[i] + s, a + std::fabs(Y0[i]), static_cast<int64_t>(i));
           }

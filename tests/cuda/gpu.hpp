@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "launch.cuh"
@@ -65,6 +67,20 @@ inline std::vector<float> randn(size_t n, std::mt19937_64& rng, float sd = 1.f) 
   return v;
 }
 
+// f(i) for i in [0, n), spread over the host's cores in contiguous ranges (the CPU twins' large loops: f
+// must only write what belongs to its own i).
+template <typename F>
+void parallel_for(int64_t n, F&& f) {
+  const int64_t nt = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 64);
+  const int64_t per = (n + nt - 1) / nt;
+  std::vector<std::thread> pool;
+  for (int64_t lo = 0; lo < n; lo += per)
+    pool.emplace_back([&f, lo, hi = std::min(n, lo + per)] {
+      for (int64_t i = lo; i < hi; ++i) f(i);
+    });
+  for (std::thread& t : pool) t.join();
+}
+
 // A random matrix quantized to `t` on the host, its CPU dequantization, and its device copy.
 struct QMatrix {
   moe::gguf::Type type;
@@ -87,10 +103,10 @@ struct QMatrix {
     bytes.resize(rb * r);
     deq.resize(static_cast<size_t>(r * c));
     std::vector<float> src = randn(static_cast<size_t>(r * c), rng, sd);
-    for (int64_t i = 0; i < r; ++i) {
+    parallel_for(r, [&](int64_t i) {  // rows are independent: the same bytes as one after the other
       moe::quant::quantize_row(t, src.data() + i * c, bytes.data() + i * rb, c);
       moe::quant::dequantize_row(t, bytes.data() + i * rb, deq.data() + i * c, c);
-    }
+    });
     const uint64_t db = moe::cuda::device_bytes(t, c, r);
     std::vector<uint8_t> packed(db);
     moe::cuda::repack_rows(t, bytes.data(), packed.data(), c, r);
