@@ -291,6 +291,21 @@ __global__ void rope_table_kernel(const int32_t* pos0, const __grid_constant__ R
   if (i < hd / 2) rope_cos_sin(i, pos0[0] + t, rope, row[i], row[hd / 2 + i]);
 }
 
+// A decode token's first kernel, embed_rows (one row) and rope_table (one position) in one launch: block 0
+// the token's embedding row into x, block 1 its position's RoPE table (the same code, so the same floats).
+__global__ void token_start_kernel(const __grid_constant__ Mat W, const int32_t* ids, float* x, const int32_t* pos0,
+                                   const __grid_constant__ Rope rope, int hd, float* rope_out) {
+  pdl_sync();  // the first kernel of a graph: no wait; its dependents may launch at once
+  if (blockIdx.x == 0) {
+    int id = ids[0];
+    if (id < 0 || id >= W.rows) id = 0;  // the host validates ids; never read outside the table
+    MOE_DISPATCH_TYPE(W.type, embed_t, W.data + id * W.row_stride, W.cols >> 5, x);
+  } else {
+    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x)
+      rope_cos_sin(i, pos0[0], rope, rope_out[i], rope_out[hd / 2 + i]);
+  }
+}
+
 // The Rope parameters are __grid_constant__ in these kernels: rope_cos_sin takes them by reference, and a
 // by-value struct parameter is then copied to local memory by every thread at the kernel's start.
 template <int D, int G>
@@ -427,6 +442,12 @@ int attention_leaf() {
 int attention_min_chunk() {
   static const int v = env_int("MOE_CUDA_ATT_CHUNK", kDecMinChunk, 1, 1 << 20);
   return v;
+}
+
+cudaError_t token_start(const Mat& embd, const int32_t* token, float* x, const int32_t* pos, Rope rope, int head_dim,
+                        float* rope_out, cudaStream_t s) {
+  if (head_dim < 2 || head_dim % 2 != 0 || head_dim > 2048) return cudaErrorInvalidValue;
+  return launch_pdl(token_start_kernel, dim3(2), dim3(128), 0, s, embd, token, x, pos, rope, head_dim, rope_out);
 }
 
 cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s) {

@@ -194,6 +194,17 @@ __device__ __forceinline__ void dequant32(const uint8_t* row, int g, float (&v)[
   }
 }
 
+// A row of n_groups groups of 32, dequantized by the block's threads (the embedding lookup).
+template <uint32_t T>
+__device__ __forceinline__ void embed_t(const uint8_t* row, int n_groups, float* out) {
+  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
+    float v[32];
+    dequant32<T>(row, g, v);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) out[g * 32 + i] = v[i];
+  }
+}
+
 // Expands to a switch that calls FN<T>(args...) for the device type tag T of runtime type `t`.
 #define MOE_DISPATCH_TYPE(t, FN, ...)                                  \
   switch (t) {                                                         \

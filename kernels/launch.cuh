@@ -227,14 +227,21 @@ cudaError_t attention_decode(const float* qkv, const int32_t* pos0, const float*
 // RoPE tables of positions pos0[0] + t, t < n: row t (head_dim floats at out + t head_dim) holds the cos
 // of the pairs in [0, head_dim/2) and their sin in [head_dim/2, head_dim).
 cudaError_t rope_table(const int32_t* pos0, int n, Rope rope, int head_dim, float* out, cudaStream_t s);
+// A decode token's embed_rows (one row of embd for token[0] into x) and rope_table (position pos[0] into
+// rope_out) in one launch: the same results as the two.
+cudaError_t token_start(const Mat& embd, const int32_t* token, float* x, const int32_t* pos, Rope rope, int head_dim,
+                        float* rope_out, cudaStream_t s);
 
 // out[0] = argmax of x[0..n) (lowest index on ties, non-finite values skipped), out[1] = 1 when some
-// x is not finite (else 0); scratch holds kArgmaxScratch floats. A decode chained on the device: the
-// index also goes to next_token[0] and next_pos[0] grows by one (each when given), so that the next
-// decode graph can run without the host.
-constexpr int kArgmaxScratch = 256;
+// x is not finite (else 0), in one launch; scratch holds kArgmaxScratch floats, zero before the first
+// launch (its counter is left at zero). A decode chained on the device: the index also goes to
+// next_token[0] and next_pos[0] grows by one (each when given), so that the next decode graph can run
+// without the host. host: two {argmax, non-finite} slots in mapped pinned memory (a device pointer); the
+// result goes to slot next_pos[0] & 1 (the step's position, before the increment) instead of out, so that
+// no copy has to follow the graph.
+constexpr int kArgmaxScratch = 260;  // 128 partial maxima, their indices, the counter
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s, int32_t* next_token = nullptr,
-                   int32_t* next_pos = nullptr);
+                   int32_t* next_pos = nullptr, int32_t* host = nullptr);
 
 #ifdef MOE_TRACE
 // Attach the per-block trace buffer (dev::TraceRec[kTraceCap], trace.cuh) and its counter to the traced

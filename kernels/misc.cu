@@ -7,16 +7,6 @@ using namespace dev;
 
 namespace {
 
-template <uint32_t T>
-__device__ __forceinline__ void embed_t(const uint8_t* row, int n_groups, float* out) {
-  for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
-    float v[32];
-    dequant32<T>(row, g, v);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) out[g * 32 + i] = v[i];
-  }
-}
-
 __global__ void embed_kernel(Mat W, const int32_t* ids, float* out) {
   const int t = blockIdx.x;
   int id = ids[t];
@@ -61,14 +51,14 @@ __device__ __forceinline__ void block_argmax(float& best, int& idx) {
 
 constexpr int kArgmaxBlocks = 128;
 
-// Stage 1: each block reduces a contiguous slice; stage 2: one block reduces the partials.
-__global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi) {
-  pdl_sync();
+// Block b's slice of x: its best (value, index) to thread 0, and whether the slice holds a non-finite value
+// (to every thread).
+__device__ __forceinline__ void argmax_slice(const float* x, int n, float& best, int& idx, bool& bad) {
   const int per = (n + gridDim.x - 1) / gridDim.x;
   const int lo = blockIdx.x * per, hi = min(n, lo + per);
-  float best = -INFINITY;
-  int idx = 0x7fffffff;
-  bool bad = false;
+  best = -INFINITY;
+  idx = 0x7fffffff;
+  bad = false;
   for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const float v = x[i];
     bad |= !isfinite(v);
@@ -76,28 +66,58 @@ __global__ void argmax_partial_kernel(const float* x, int n, float* pv, int* pi)
   }
   bad = __syncthreads_or(bad);
   block_argmax(best, idx);
-  // a non-finite value in the slice sets the index's sign bit (indices are below 2^31)
-  if (threadIdx.x == 0) { pv[blockIdx.x] = best; pi[blockIdx.x] = bad ? static_cast<int>(static_cast<unsigned>(idx) | 0x80000000u) : idx; }
 }
-
-__global__ void argmax_final_kernel(const float* pv, const int* pi, int np, int32_t* out, int32_t* next_token,
-                                    int32_t* next_pos) {
-  pdl_sync();
+// The merge of np partials (value, index with the sign bit set for a slice with a non-finite value) by one
+// block (np <= blockDim.x; the same result whichever block merges). Thread 0 writes {argmax, non-finite} to
+// out, or with `host` (mapped pinned memory, two such slots) to slot next_pos[0] & 1 there (the step's
+// position: consecutive steps alternate slots), and the chained decode's next token and position.
+__device__ __forceinline__ void argmax_merge_emit(const float* pv, const int* pi, int np, int32_t* out, int32_t* host,
+                                                  int32_t* next_token, int32_t* next_pos) {
   float best = -INFINITY;
   int idx = 0x7fffffff;
   bool bad = false;
   for (int i = threadIdx.x; i < np; i += blockDim.x) {
-    bad |= pi[i] < 0;
-    argmax_merge(best, idx, pv[i], pi[i] & 0x7fffffff);
+    const int pii = __ldcg(pi + i);
+    bad |= pii < 0;
+    argmax_merge(best, idx, __ldcg(pv + i), pii & 0x7fffffff);
   }
   bad = __syncthreads_or(bad);
   block_argmax(best, idx);
   if (threadIdx.x == 0) {
-    out[0] = idx == 0x7fffffff ? 0 : idx;
-    out[1] = bad ? 1 : 0;
-    if (next_token) next_token[0] = out[0];
+    const int32_t r = idx == 0x7fffffff ? 0 : idx;
+    int32_t* dst = host ? host + 2 * (next_pos[0] & 1) : out;
+    dst[0] = r;
+    dst[1] = bad ? 1 : 0;
+    if (next_token) next_token[0] = r;
     if (next_pos) next_pos[0] += 1;
   }
+}
+
+// Each block reduces a contiguous slice to a partial; the last block to leave its partial (a counter, left at
+// zero for the next launch) merges them. (One launch instead of a second kernel for the merge: the decode's
+// greedy step measured 683.0-683.3 vs 683.1-683.4 tok/s, docs/PERFORMANCE.md version 28.)
+__global__ void argmax_kernel(const float* x, int n, float* pv, int* pi, int* counter, int32_t* out, int32_t* host,
+                              int32_t* next_token, int32_t* next_pos) {
+  pdl_sync();
+  float best;
+  int idx;
+  bool bad;
+  argmax_slice(x, n, best, idx, bad);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    pv[blockIdx.x] = best;
+    // a non-finite value in the slice sets the index's sign bit (indices are below 2^31)
+    pi[blockIdx.x] = bad ? static_cast<int>(static_cast<unsigned>(idx) | 0x80000000u) : idx;
+    __threadfence();
+    last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) {
+      __threadfence();
+      *counter = 0;
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  argmax_merge_emit(pv, pi, gridDim.x, out, host, next_token, next_pos);
 }
 
 // One warp per token.
@@ -271,13 +291,12 @@ cudaError_t rmsnorm_rows(const float* x, const float* w, int n, int cols, int st
 }
 
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s, int32_t* next_token,
-                   int32_t* next_pos) {
+                   int32_t* next_pos, int32_t* host) {
+  if (host && !next_pos) return cudaErrorInvalidValue;
   float* pv = scratch;
   int* pi = reinterpret_cast<int*>(scratch + kArgmaxBlocks);
-  cudaError_t e = launch_pdl(argmax_partial_kernel, dim3(kArgmaxBlocks), dim3(256), 0, s, x, n, pv, pi);
-  if (e) return e;
-  return launch_pdl(argmax_final_kernel, dim3(1), dim3(kArgmaxBlocks), 0, s, static_cast<const float*>(pv),
-                    static_cast<const int*>(pi), kArgmaxBlocks, out, next_token, next_pos);
+  return launch_pdl(argmax_kernel, dim3(kArgmaxBlocks), dim3(256), 0, s, x, n, pv, pi,
+                    reinterpret_cast<int*>(scratch + 2 * kArgmaxBlocks), out, host, next_token, next_pos);
 }
 
 cudaError_t topk_rows(const float* logits, int n_tok, int n_expert, int n_used, int32_t* ids, float* weights,

@@ -90,6 +90,7 @@ CudaForward::~CudaForward() {
   if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
   if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
   if (host_io_) cudaFreeHost(host_io_);
+  if (logits_host_) cudaFreeHost(logits_host_);
   for (cudaEvent_t e : step_done_)
     if (e) cudaEventDestroy(e);
   if (fork_) cudaEventDestroy(fork_);
@@ -108,8 +109,9 @@ void CudaForward::eval(std::span<const int32_t> tokens, bool all_logits, std::ve
   if (n == 1) {
     decode_step(tokens[0], false);
     logits.resize(static_cast<size_t>(V));
-    finish(cudaMemcpyAsync(logits.data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-           "reading the logits");
+    float* dst = logits_host_ ? logits_host_ : logits.data();
+    finish(cudaMemcpyAsync(dst, logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_), "reading the logits");
+    if (logits_host_) std::copy(logits_host_, logits_host_ + V, logits.begin());
     n_past_ += 1;
     return;
   }
@@ -141,13 +143,13 @@ int32_t CudaForward::eval_greedy(int32_t token) {
   if (hit) {
     s = ahead_slot_;  // this step is already on the stream
   } else {
-    s = slot_;
+    s = host_result_ ? static_cast<int>(n_past_ & 1) : slot_;  // the argmax writes its position parity's slot
     slot_ ^= 1;
     enqueue_greedy(s, &token);
   }
   bool launched = false;
   if (chain_ && n_past_ + 2 <= n_ctx_) {
-    ahead_slot_ = slot_;
+    ahead_slot_ = host_result_ ? static_cast<int>((n_past_ + 1) & 1) : slot_;
     slot_ ^= 1;
     enqueue_greedy(ahead_slot_, nullptr);
     launched = true;
@@ -405,7 +407,17 @@ void CudaForward::alloc_scratch() {
   racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
   split_ = p[22];
   tickets_ = reinterpret_cast<int*>(p[23]);
-  check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
+  check(cudaHostAlloc(reinterpret_cast<void**>(&host_io_), 64, cudaHostAllocMapped), "upload failed: pinned buffer");
+  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0) != cudaSuccess) {
+    cudaGetLastError();
+    host_io_dev_ = nullptr;  // the greedy results then come back by copies
+  }
+  if (k::env_switch("MOE_CUDA_PINNED_LOGITS", true) &&
+      cudaMallocHost(reinterpret_cast<void**>(&logits_host_), static_cast<size_t>(n_vocab()) * sizeof(float)) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    logits_host_ = nullptr;  // the logits then go straight into the caller's vector
+  }
   for (cudaEvent_t& e : step_done_) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "upload failed");
   chain_ = k::env_switch("MOE_CUDA_CHAIN", true);
   check(cudaStreamSynchronize(stream_), "upload failed: clearing scratch");

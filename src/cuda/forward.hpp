@@ -131,7 +131,8 @@ class CudaForward final : public Forward {
   void capture_graphs();
 
   // The greedy graph for position n_past() (+1 when a step is already ahead of it on the stream), its
-  // argmax copied to result slot s (host_io_[4 + 2s], [5 + 2s]) and step_done_[s] recorded. token: the
+  // argmax in result slot s (host_io_[4 + 2s], [5 + 2s]: written by the graph itself with host_result_, where s
+  // is the step's position parity, else copied after it) and step_done_[s] recorded. token: the
   // step's token from the host, or null: the previous greedy step's argmax, on the device already.
   void enqueue_greedy(int s, const int32_t* token);
   void decode_step(int32_t token, bool greedy);
@@ -207,6 +208,13 @@ class CudaForward final : public Forward {
     int32_t* ptr = nullptr;
   } argmax_;
   int32_t* host_io_ = nullptr;  // pinned: token, pos, -, prefill pos, then two greedy results {argmax, non-finite}
+  int32_t* host_io_dev_ = nullptr;  // host_io_ mapped into the device's address space
+  // pinned: a decode step's logits on their way to the caller's vector (a copy into pageable memory goes through
+  // the driver's own staging; MOE_CUDA_PINNED_LOGITS=0: straight into the vector)
+  float* logits_host_ = nullptr;
+  // the greedy graph's argmax writes its result to host_io_ (the slot of its position's parity) itself, with no
+  // copy after the graph (set at capture; MOE_CUDA_HOST_RESULT=0: the copy)
+  bool host_result_ = false;
   // greedy decoding one step ahead (eval_greedy)
   bool chain_ = true, ahead_ = false;
   int32_t ahead_token_ = -1;

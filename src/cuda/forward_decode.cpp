@@ -50,8 +50,8 @@ void CudaForward::enqueue_decode(bool greedy) {
   const int K = static_cast<int>(c_.n_expert_used);
   const float eps = c_.rms_eps;
   const k::Rope rp = rope();
-  check(k::embed_rows(embd_, token_, 1, x_, stream_), step);
-  check(k::rope_table(pos_, 1, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_), step);
+  // the embedding and the RoPE table in one launch: +0.3 % against two (docs/PERFORMANCE.md version 28)
+  check(k::token_start(embd_, token_, x_, pos_, rp, static_cast<int>(c_.head_dim), rope_cs_, stream_), step);
   if (use_persist_) check(k::decode_persist(persist_, persist_smem_, persist_blocks_, stream_), step);
   for (size_t l = 0; l < (use_persist_ ? 0 : layers_.size()); ++l) {
     const DevLayer& L = layers_[l];
@@ -118,7 +118,7 @@ void CudaForward::enqueue_decode(bool greedy) {
   check(k::gemv(&head, 1, x_, out_norm_, eps, false, stream_), step);
   if (greedy)  // also the next greedy step's token and position (see eval_greedy)
     check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_scratch_, argmax_.ptr, stream_, token_,
-                    pos_),
+                    pos_, host_result_ ? host_io_dev_ + 4 : nullptr),
           step);
   (void)E;
 }
@@ -191,6 +191,7 @@ void CudaForward::capture() {
   fused_router_ = fused_router();
   att_ = att_slices();
   early_ids_ = k::env_switch("MOE_CUDA_EARLY_IDS", true);
+  host_result_ = host_io_dev_ && k::env_switch("MOE_CUDA_HOST_RESULT", true);
   ahead_at_gate_up_ = [] {  // MOE_CUDA_AHEAD_AT=down: from the down kernel, as before
     const char* v = std::getenv("MOE_CUDA_AHEAD_AT");
     return !(v && std::string(v) == "down");
@@ -236,8 +237,12 @@ void CudaForward::enqueue_greedy(int s, const int32_t* token) {
     check_step(cudaMemcpyAsync(token_, host_io_, 2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   }
   check_step(cudaGraphLaunch(graph_greedy_, stream_));
-  check_step(
-      cudaMemcpyAsync(host_io_ + 4 + 2 * s, argmax_.ptr, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  // host_result_: the graph's argmax wrote slot s (its position's parity) of host_io_ itself; a copy after the
+  // graph put the copy engine between every two tokens (BM_Decode/0 678.0-678.6 vs 683.1-683.4 without it,
+  // docs/PERFORMANCE.md version 28)
+  if (!host_result_)
+    check_step(
+        cudaMemcpyAsync(host_io_ + 4 + 2 * s, argmax_.ptr, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   check_step(cudaEventRecord(step_done_[s], stream_));
 }
 

@@ -199,6 +199,38 @@ TEST(CudaKernels, EmbedRowsDequantizesTheChosenRows) {
   }
 }
 
+// A decode token's first launch (k::token_start): the embedding row and the RoPE table of its position, the
+// same floats as embed_rows (checked against the CPU's dequantization) and rope_table.
+TEST(CudaKernels, TokenStartIsEmbedAndRopeTable) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  for (Type t : {Type::Q4_K, Type::Q6_K, Type::Q8_0, Type::BF16})
+  for (int yarn = 0; yarn < 2; ++yarn) {
+    SCOPED_TRACE(::testing::Message() << moe::gguf::type_name(t) << " yarn " << yarn);
+    const int cols = 2048, hd = 128, id = 77, pos = 40961;
+    QMatrix W(t, 100, cols, rng);
+    k::Rope rope;
+    rope.theta_scale = std::pow(1e6f, -2.f / hd);
+    if (yarn) {
+      rope.yarn = 1;
+      rope.freq_scale = 0.25f;
+      rope.corr_lo = 10.f;
+      rope.corr_hi = 41.f;
+      rope.mscale = 1.1f;
+    }
+    Dev<int32_t> tok(std::vector<int32_t>{id}), dpos(std::vector<int32_t>{pos});
+    Dev<float> x(cols), cs(hd), x2(cols), cs2(hd);
+    ok(k::token_start(W.mat(), tok.p, x.p, dpos.p, rope, hd, cs.p, nullptr));
+    ok(k::embed_rows(W.mat(), tok.p, 1, x2.p, nullptr));
+    ok(k::rope_table(dpos.p, 1, rope, hd, cs2.p, nullptr));
+    ok(cudaDeviceSynchronize());
+    const std::vector<float> a = x.get(), b = cs.get(), b2 = cs2.get();
+    for (int c = 0; c < cols; ++c) ASSERT_EQ(a[c], W.deq[static_cast<size_t>(id) * cols + c]) << c;
+    EXPECT_EQ(std::memcmp(b.data(), b2.data(), hd * sizeof(float)), 0) << "the RoPE table";
+    EXPECT_EQ(std::memcmp(a.data(), x2.get().data(), cols * sizeof(float)), 0) << "the embedding";
+  }
+}
+
 TEST(CudaKernels, RmsnormRowsAndArgmax) {
   REQUIRE_GPU();
   std::mt19937_64 rng(fresh_seed());
@@ -218,21 +250,49 @@ TEST(CudaKernels, RmsnormRowsAndArgmax) {
   v[best + 1000] = 100.f;  // tie: the lower index wins
   Dev<float> dv(v);
   Dev<int32_t> di(2);
-  Dev<float> scratch(k::kArgmaxScratch);
+  Dev<float> scratch(std::vector<float>(k::kArgmaxScratch, 0.f));  // its counter starts at zero
   Dev<int32_t> chain(std::vector<int32_t>{-1, 41});  // the next decode's token and position
   ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr, chain.p, chain.p + 1));
   ok(cudaDeviceSynchronize());
   EXPECT_EQ(di.get()[0], best);
   EXPECT_EQ(di.get()[1], 0) << "all finite";
   EXPECT_EQ(chain.get(), (std::vector<int32_t>{best, 42})) << "chained token and position";
-  // a NaN and an infinity are flagged; the argmax skips the NaN
+  // a NaN and an infinity are flagged; the argmax skips the NaN (and the launch before left its counter at
+  // zero: the merge happens again)
   v[77] = std::nanf("");
   v[150000] = -INFINITY;
   dv.put(v);
+  di.put({-5, -5});
   ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr));
   ok(cudaDeviceSynchronize());
   EXPECT_EQ(di.get()[0], best);
   EXPECT_EQ(di.get()[1], 1) << "non-finite values are flagged";
+  // the result in mapped pinned memory: the slot of the step's position parity (42: slot 0, then 43: slot 1),
+  // `out` untouched; the best at the last element (the last slice's end)
+  int32_t* host = nullptr;
+  ok(cudaHostAlloc(reinterpret_cast<void**>(&host), 4 * sizeof(int32_t), cudaHostAllocMapped));
+  int32_t* host_dev = nullptr;
+  ok(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
+  std::fill(host, host + 4, -3);
+  v[77] = 0.f;
+  v[150000] = 0.f;
+  v.back() = 101.f;
+  dv.put(v);
+  di.put({-5, -5});
+  ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr, chain.p, chain.p + 1, host_dev));
+  ok(cudaDeviceSynchronize());
+  const int32_t last = static_cast<int32_t>(v.size()) - 1;
+  EXPECT_EQ(std::vector<int32_t>(host, host + 4), (std::vector<int32_t>{last, 0, -3, -3})) << "slot 0 (position 42)";
+  v.back() = 0.f;
+  dv.put(v);
+  ok(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr, chain.p, chain.p + 1, host_dev));
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(std::vector<int32_t>(host, host + 4), (std::vector<int32_t>{last, 0, best, 0})) << "slot 1 (position 43)";
+  EXPECT_EQ(chain.get(), (std::vector<int32_t>{best, 44}));
+  EXPECT_EQ(di.get(), (std::vector<int32_t>{-5, -5})) << "out is not written when the result goes to the host";
+  EXPECT_EQ(k::argmax(dv.p, static_cast<int>(v.size()), scratch.p, di.p, nullptr, chain.p, nullptr, host_dev),
+            cudaErrorInvalidValue) << "the host slots need the position";
+  cudaFreeHost(host);
 }
 
 // CPU twin of routing: softmax over all experts, top k (lowest id on ties), renormalised.
