@@ -150,6 +150,84 @@ TEST(Sampler, CandidateSetIsSortedAndTempered) {
   EXPECT_FLOAT_EQ(c[2].logit, 1.5f);
 }
 
+// The top-k candidates (selected in one pass with a moving threshold) against sorting every tempered logit:
+// the same ids and floats in the same order, for vocabulary sizes around the buffer's 2k, logits on a coarse
+// grid (many ties, which go to the lower id), NaNs, and inputs in ascending order (every logit enters the
+// buffer before the threshold rises) or descending order.
+TEST(Sampler, TopKCandidatesAreTheFirstOfTheFullSort) {
+  std::mt19937 g(7);
+  for (size_t n : {1u, 7u, 79u, 80u, 81u, 1000u, 151936u})
+    for (int k : {1, 2, 40, 41, 200})
+      for (int shape = 0; shape < 4; ++shape) {  // 0 random, 1 coarse grid, 2 ascending, 3 descending
+        SCOPED_TRACE(::testing::Message() << "n " << n << " k " << k << " shape " << shape);
+        std::vector<float> l = random_logits(n, static_cast<uint32_t>(n * 131 + k * 7 + shape));
+        if (shape == 1)
+          for (float& x : l) x = std::round(x);
+        if (shape >= 2) std::sort(l.begin(), l.end());
+        if (shape == 3) std::reverse(l.begin(), l.end());
+        if (n > 10)
+          for (int j = 0; j < 5; ++j) l[g() % n] = std::nanf("");
+        SamplerParams p;
+        p.temperature = 0.7f;
+        p.top_k = k;
+        const auto c = moe::run::candidate_set(l, p);
+        std::vector<std::pair<float, int32_t>> all;  // (tempered logit, id) of every number
+        for (size_t i = 0; i < n; ++i)
+          if (!std::isnan(l[i])) all.emplace_back(l[i] / p.temperature, static_cast<int32_t>(i));
+        std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+        ASSERT_EQ(c.size(), std::min(all.size(), static_cast<size_t>(k)));
+        for (size_t i = 0; i < c.size(); ++i) {
+          EXPECT_EQ(c[i].id, all[i].second) << i;
+          EXPECT_EQ(c[i].logit, all[i].first) << i;
+        }
+      }
+}
+
+// Without top-k, top-p and min-p against sorting every tempered logit: the nucleus is the shortest prefix of
+// the ranking whose probability (normalised over every number, summed in index order) reaches top_p, the
+// crossing token kept; the min-p floor alone keeps every logit at or above max + ln(min_p). Peaked, flat (a
+// 90 % nucleus of 151,936 equal logits) and coarse-grid inputs, NaNs among them.
+TEST(Sampler, TopPAndMinPWithoutTopKMatchTheFullSort) {
+  std::mt19937 g(11);
+  for (size_t n : {3u, 1000u, 151936u})
+    for (int shape = 0; shape < 3; ++shape)  // 0 peaked (sd 3), 1 flat, 2 coarse grid
+      for (float top_p : {0.5f, 0.9f, 0.99f, 1.f})
+        for (float min_p : {0.f, 0.05f}) {
+          if (top_p == 1.f && min_p == 0.f) continue;
+          SCOPED_TRACE(::testing::Message() << "n " << n << " shape " << shape << " top_p " << top_p
+                                            << " min_p " << min_p);
+          std::vector<float> l = random_logits(n, static_cast<uint32_t>(n + shape));
+          for (float& x : l) x = shape == 1 ? 0.25f : shape == 2 ? std::round(x) : x;
+          if (n > 10)
+            for (int j = 0; j < 3; ++j) l[g() % n] = std::nanf("");
+          SamplerParams p;
+          p.temperature = 0.8f;
+          p.top_k = 0;
+          p.top_p = top_p;
+          p.min_p = min_p;
+          const auto c = moe::run::candidate_set(l, p);
+          std::vector<std::pair<float, int32_t>> all;
+          for (size_t i = 0; i < n; ++i)
+            if (!std::isnan(l[i])) all.emplace_back(l[i] / p.temperature, static_cast<int32_t>(i));
+          double top = -INFINITY, sum = 0;
+          for (const auto& [v, id] : all) top = std::max(top, static_cast<double>(v));
+          for (const auto& [v, id] : all) sum += std::exp(v - top);
+          std::stable_sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+          size_t keep = all.size();
+          double cum = 0;
+          for (size_t i = 0; i < all.size() && top_p < 1.f; ++i)
+            if ((cum += std::exp(all[i].first - top) / sum) >= top_p) {
+              keep = i + 1;
+              break;
+            }
+          if (min_p > 0.f)
+            for (size_t i = 1; i < keep; ++i)
+              if (all[i].first < top + std::log(static_cast<double>(min_p))) keep = i;
+          ASSERT_EQ(c.size(), keep);
+          for (size_t i = 0; i < keep; ++i) ASSERT_EQ(c[i].id, all[i].second) << i;
+        }
+}
+
 TEST(RepeatPenalty, DividesPositiveMultipliesNegativeOncePerToken) {
   std::vector<float> l = {2.f, -2.f, 3.f, 0.f, 4.f};
   const std::vector<int32_t> hist = {0, 1, 0, 0, 3};
