@@ -407,10 +407,15 @@ void CudaForward::alloc_scratch() {
   racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
   split_ = p[22];
   tickets_ = reinterpret_cast<int*>(p[23]);
-  check(cudaHostAlloc(reinterpret_cast<void**>(&host_io_), 64, cudaHostAllocMapped), "upload failed: pinned buffer");
-  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0) != cudaSuccess) {
+  // mapped, so that the greedy graph can write its token there (host_result_); else plain pinned memory and the
+  // greedy results come back by copies
+  if (cudaHostAlloc(reinterpret_cast<void**>(&host_io_), 64, cudaHostAllocMapped) != cudaSuccess ||
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0) != cudaSuccess) {
     cudaGetLastError();
-    host_io_dev_ = nullptr;  // the greedy results then come back by copies
+    if (host_io_) cudaFreeHost(host_io_);
+    host_io_ = nullptr;
+    host_io_dev_ = nullptr;
+    check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
   }
   if (k::env_switch("MOE_CUDA_PINNED_LOGITS", true) &&
       cudaMallocHost(reinterpret_cast<void**>(&logits_host_), static_cast<size_t>(n_vocab()) * sizeof(float)) !=

@@ -1,6 +1,9 @@
 #include "engine.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
 #include <future>
 #include <ostream>
 
@@ -15,6 +18,11 @@ namespace moe::run {
 static constexpr const char* kFallbackPrefix = "qwen3moe: the CUDA forward did not serve this run, falling back to CPU: ";
 
 int64_t first_non_finite(std::span<const float> v) {
+  // whether any is not finite (an all-ones exponent), by a loop without an early exit that the compiler
+  // vectorises (a sampled GPU step's 151,936 logits: ~70 us to ~10 us on the host); then where
+  uint32_t any = 0;
+  for (float x : v) any |= (std::bit_cast<uint32_t>(x) & 0x7f800000u) == 0x7f800000u;
+  if (!any) return -1;
   for (size_t i = 0; i < v.size(); ++i)
     if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
   return -1;

@@ -152,18 +152,27 @@ TEST(Sampler, CandidateSetIsSortedAndTempered) {
 
 // The top-k candidates (selected in one pass with a moving threshold) against sorting every tempered logit:
 // the same ids and floats in the same order, for vocabulary sizes around the buffer's 2k, logits on a coarse
-// grid (many ties, which go to the lower id), NaNs, and inputs in ascending order (every logit enters the
-// buffer before the threshold rises) or descending order.
+// grid (many ties, which go to the lower id), NaNs, inputs in ascending order (every logit enters the
+// buffer before the threshold rises) or descending order, and logits a few ulps apart around 1, -1 and 0
+// (the one-comparison skip before the division must never drop one that the division makes equal to the
+// k-th).
 TEST(Sampler, TopKCandidatesAreTheFirstOfTheFullSort) {
   std::mt19937 g(7);
   for (size_t n : {1u, 7u, 79u, 80u, 81u, 1000u, 151936u})
     for (int k : {1, 2, 40, 41, 200})
-      for (int shape = 0; shape < 4; ++shape) {  // 0 random, 1 coarse grid, 2 ascending, 3 descending
+      for (int shape = 0; shape < 7; ++shape) {  // 0 random, 1 coarse grid, 2 ascending, 3 descending, 4-6 ulps
         SCOPED_TRACE(::testing::Message() << "n " << n << " k " << k << " shape " << shape);
         std::vector<float> l = random_logits(n, static_cast<uint32_t>(n * 131 + k * 7 + shape));
         if (shape == 1)
           for (float& x : l) x = std::round(x);
-        if (shape >= 2) std::sort(l.begin(), l.end());
+        if (shape >= 4) {  // each logit 0-63 ulps from 1, -1 or the smallest normal
+          const float base = shape == 4 ? 1.f : shape == 5 ? -1.f : 1.17549435e-38f;
+          for (float& x : l) {
+            x = base;
+            for (uint32_t u = g() % 64; u > 0; --u) x = std::nextafter(x, INFINITY);
+          }
+        }
+        if (shape == 2 || shape == 3) std::sort(l.begin(), l.end());
         if (shape == 3) std::reverse(l.begin(), l.end());
         if (n > 10)
           for (int j = 0; j < 5; ++j) l[g() % n] = std::nanf("");
