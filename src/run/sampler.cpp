@@ -29,13 +29,6 @@ int32_t argmax(std::span<const float> logits) {
 
 namespace {
 
-// The k candidates first in `before` order (a strict total order: ids are unique) among the tempered,
-// non-NaN logits, in that order, in one pass: a buffer of up to 2k candidates is cut back to its k first
-// (nth_element) whenever it fills, and from then on a logit enters only if it comes before the k-th of
-// those (at least k others come before any that does not, so it cannot be among the k first). The same
-// set and order as sorting all of them, without building and heap-sorting a vocabulary-sized array: at
-// 151,936 logits and k = 40 that took most of a sampled token's ~0.9 ms on the host (docs/PERFORMANCE.md
-// version 28).
 // A raw logit below raw_bound(K, t) has l / t < K once rounded: the bound is (K - |K| 2^-20 - 1e-30) t rounded
 // down, so that l / t lies below K by far more than the division's rounding (half an ulp, 2^-24 |K|). Lets
 // the pass skip most logits with one comparison, before their division.
@@ -47,6 +40,12 @@ float raw_bound(float k_logit, float t) {
   return f;
 }
 
+// The k candidates first in `before` order (a strict total order: ids are unique) among the tempered,
+// non-NaN logits, in that order, in one pass: a buffer of up to 2k candidates is cut back to its k first
+// (nth_element) whenever it fills, and from then on a logit enters only if it comes before the k-th of
+// those (at least k others come before any that does not, so it cannot be among the k first). The same
+// set and order as sorting all of them, without building and heap-sorting a vocabulary-sized array: at
+// 151,936 logits and k = 40 that took ~320 us a token on the host, now ~75 (docs/PERFORMANCE.md version 28).
 template <typename Before>
 std::vector<Candidate> first_k(std::span<const float> logits, float t, size_t k, Before before) {
   std::vector<Candidate> c;
