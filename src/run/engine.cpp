@@ -19,7 +19,7 @@ static constexpr const char* kFallbackPrefix = "qwen3moe: the CUDA forward did n
 
 int64_t first_non_finite(std::span<const float> v) {
   // whether any is not finite (an all-ones exponent), by a loop without an early exit that the compiler
-  // vectorises (a sampled GPU step's 151,936 logits: 52 -> 24 us on the CI-class host, docs/PERFORMANCE.md
+  // vectorises (151,936 logits: 75-79 -> 22 us, tools/bench/bench_sampler.cpp, docs/PERFORMANCE.md
   // version 28); then where
   uint32_t any = 0;
   for (float x : v) any |= (std::bit_cast<uint32_t>(x) & 0x7f800000u) == 0x7f800000u;

@@ -45,7 +45,8 @@ float raw_bound(float k_logit, float t) {
 // (nth_element) whenever it fills, and from then on a logit enters only if it comes before the k-th of
 // those (at least k others come before any that does not, so it cannot be among the k first). The same
 // set and order as sorting all of them, without building and heap-sorting a vocabulary-sized array: at
-// 151,936 logits and k = 40 that took ~320 us a token on the host, now ~75 (docs/PERFORMANCE.md version 28).
+// 151,936 logits and k = 40 that took 314-368 us a token on the host, now 69 (tools/bench/bench_sampler.cpp,
+// docs/PERFORMANCE.md version 28).
 template <typename Before>
 std::vector<Candidate> first_k(std::span<const float> logits, float t, size_t k, Before before) {
   std::vector<Candidate> c;
@@ -86,7 +87,7 @@ std::vector<Candidate> candidate_set(std::span<const float> logits, const Sample
   } else if (p.top_p < 1.0f) {
     // No top-k: the nucleus is the shortest run of the ranking whose probability reaches top_p, probabilities
     // normalised over every number (summed in index order). Found from growing first_k prefixes instead of
-    // sorting the vocabulary (15 ms a token at 151,936 logits: 57 tok/s on the GPU, docs/PERFORMANCE.md
+    // sorting the vocabulary (14 ms a token at 151,936 logits: 45 tok/s on the GPU, docs/PERFORMANCE.md
     // version 28).
     double top = -INFINITY, sum = 0;
     for (float l : logits)
