@@ -408,8 +408,9 @@ BENCHMARK(BM_AttentionPrefill)->Args({512, 0})->Args({512, 3584})->Iterations(40
 void BM_ArgmaxVocab(benchmark::State& st) {
   float* x = dev_floats(151936);
   float* scratch = dev_floats(k::kArgmaxScratch);
+  ck(cudaMemset(scratch, 0, k::kArgmaxScratch * sizeof(float)));  // the one-launch merge's counter starts at zero
   int32_t* out = nullptr;
-  ck(cudaMalloc(reinterpret_cast<void**>(&out), 4));
+  ck(cudaMalloc(reinterpret_cast<void**>(&out), 2 * sizeof(int32_t)));  // {argmax, non-finite}
   time_kernel(st, 151936.0 * 4, [&](cudaStream_t s) { return k::argmax(x, 151936, scratch, out, s); });
   cudaFree(x);
   cudaFree(scratch);
