@@ -80,6 +80,12 @@ std::vector<Candidate> candidate_set(std::span<const float> logits, const Sample
   auto before = [](const Candidate& a, const Candidate& b) {
     return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
   };
+  auto tempered_max = [&] {  // the largest l / t of the numbers (-inf without any)
+    double top = -INFINITY;
+    for (float l : logits)
+      if (!std::isnan(l)) top = std::max(top, static_cast<double>(l / t));
+    return top;
+  };
   std::vector<Candidate> c;
   bool nucleus_done = false;
   if (p.top_k > 0) {
@@ -89,9 +95,8 @@ std::vector<Candidate> candidate_set(std::span<const float> logits, const Sample
     // normalised over every number (summed in index order). Found from growing first_k prefixes instead of
     // sorting the vocabulary (14 ms a token at 151,936 logits: 45 tok/s on the GPU, docs/PERFORMANCE.md
     // version 28).
-    double top = -INFINITY, sum = 0;
-    for (float l : logits)
-      if (!std::isnan(l)) top = std::max(top, static_cast<double>(l / t));
+    const double top = tempered_max();
+    double sum = 0;
     for (float l : logits)
       if (!std::isnan(l)) sum += std::exp(static_cast<double>(l / t) - top);
     for (size_t k = 64;; k *= 4) {
@@ -110,10 +115,7 @@ std::vector<Candidate> candidate_set(std::span<const float> logits, const Sample
     nucleus_done = true;
   } else if (p.min_p > 0.0f) {
     // no top-k or top-p: the min-p floor alone, by one pass and a sort of those above it
-    double top = -INFINITY;
-    for (float l : logits)
-      if (!std::isnan(l)) top = std::max(top, static_cast<double>(l / t));
-    const double floor = top + std::log(static_cast<double>(p.min_p));
+    const double floor = tempered_max() + std::log(static_cast<double>(p.min_p));
     for (size_t i = 0; i < logits.size(); ++i)
       if (!std::isnan(logits[i]) && static_cast<double>(logits[i] / t) >= floor)
         c.push_back({static_cast<int32_t>(i), logits[i] / t});
