@@ -243,6 +243,37 @@ constexpr int kArgmaxScratch = 260;  // 128 partial maxima, their indices, the c
 cudaError_t argmax(const float* x, int n, float* scratch, int32_t* out, cudaStream_t s, int32_t* next_token = nullptr,
                    int32_t* next_pos = nullptr, int32_t* host = nullptr);
 
+// The decode step's token drawn from logits x[0..n) on the device, as moe::run::Sampler::sample draws it
+// (repeat penalty -> greedy, or temperature -> top-k -> top-p -> min-p -> draw; src/run/sampler.cpp) for
+// top-k 1..kSampleMaxK and windows of at most kSampleMaxWindow tokens: the same token for the same logits and
+// uniform (double sums in the host's order; exp and log in CUDA's double precision, within an ulp of the
+// host's, and tempered values below 2^-126 may be flushed to zero: a different token only where a sum or a
+// floor lands within rounding of a cut). The step's position is next_pos[0] = p; the penalty's window is
+// hist[p + 1 - m .. p] (m = min(p + 1, last_n)); the draw's uniform is u[p & 1] (two slots, mapped pinned
+// memory written by the host before the launch; unread when greedy). The token goes to {out[0], out[1]} or
+// with `host` to the slot of p's parity there ({token, 1 when some logit is not finite}), and to
+// next_token[0] and hist[p + 1] (when p + 1 < n_ctx); next_pos[0] becomes p + 1. scratch: kSampleScratchBytes,
+// zero before the first launch (its counters are left at zero).
+struct SampleParams {
+  float temperature = 1.f;
+  int top_k = 40;
+  float top_p = 1.f;  // 1 = off
+  float min_p = 0.f;  // 0 = off
+  float penalty = 1.f;  // 1 = off
+  int last_n = 0;
+  int greedy = 0;  // argmax of the penalised logits (temperature, top-k/p, min-p and the uniform unused)
+};
+constexpr int kSampleMaxK = 128;
+constexpr int kSampleMaxWindow = 1024;
+constexpr int kSampleMaxChunk = 8192;
+constexpr size_t kSampleScratchBytes = 16 + 8192 * 8;  // two counters, the blocks' first keys
+// The vocabulary slice of one block (0: these parameters and vocabulary size have no device sampler).
+int sample_chunk(const SampleParams& p, int n_vocab);
+bool sample_supported(const SampleParams& p, int n_vocab);
+cudaError_t sample(const float* x, int n, const SampleParams& p, void* scratch, int32_t* hist, int n_ctx,
+                   const double* u, int32_t* out, int32_t* host, int32_t* next_token, int32_t* next_pos,
+                   cudaStream_t s);
+
 #ifdef MOE_TRACE
 // Attach the per-block trace buffer (dev::TraceRec[kTraceCap], trace.cuh) and its counter to the traced
 // translation units.

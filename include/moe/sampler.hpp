@@ -47,6 +47,9 @@ class Sampler {
   // Applies the repeat penalty to `logits` in place, then picks a token. `history` is the whole
   // sequence so far, prompt included.
   int32_t sample(std::span<float> logits, std::span<const int32_t> history);
+  // The next draw's uniform in [0, 1), as sample() takes it (one per sampled token): a sampler on the
+  // device (Forward::eval_sample) draws with these, so the same seed gives the same stream.
+  double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
 
  private:
   SamplerParams p_;

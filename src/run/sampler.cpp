@@ -163,7 +163,7 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
   for (const auto& x : c) sum += std::exp(static_cast<double>(x.logit) - top);
   if (!(sum > 0) || !std::isfinite(sum)) return c.front().id;
   // One draw per sampled token, even with a single candidate, so the RNG stream stays aligned.
-  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_) * sum;
+  const double u = uniform() * sum;
   double cum = 0;
   for (const auto& x : c) {
     cum += std::exp(static_cast<double>(x.logit) - top);

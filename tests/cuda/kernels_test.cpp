@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "gpu.hpp"
+#include "moe/sampler.hpp"
 
 using namespace gpu_test;
 namespace k = moe::cuda::k;
@@ -229,6 +230,125 @@ TEST(CudaKernels, TokenStartIsEmbedAndRopeTable) {
     EXPECT_EQ(std::memcmp(b.data(), b2.data(), hd * sizeof(float)), 0) << "the RoPE table";
     EXPECT_EQ(std::memcmp(a.data(), x2.get().data(), cols * sizeof(float)), 0) << "the embedding";
   }
+}
+
+// The device sampler against run::Sampler (the host's, src/run/sampler.cpp) on the same logits, window and uniform:
+// vocabularies of one block to 75, logits with ties (a coarse grid) and a peak, top-k from 1 to 128 (and past
+// the vocabulary), top-p, min-p, penalties above and below 1 with windows longer than the history, ids outside
+// the vocabulary in the window, greedy with a penalty, two-valued logits (more ties at a block's threshold than
+// its candidate sort takes); one scratch for every launch (its counters left at zero).
+TEST(CudaKernels, SampleDrawsAsTheHostSampler) {
+  REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  using moe::run::SamplerParams;
+  auto sp = [](float t, int k, float top_p, float min_p, float pen, int last_n) {
+    SamplerParams p;
+    p.temperature = t;
+    p.top_k = k;
+    p.top_p = top_p;
+    p.min_p = min_p;
+    p.repeat_penalty = pen;
+    p.repeat_last_n = last_n;
+    p.seed = 0;
+    return p;
+  };
+  const std::vector<SamplerParams> sets = {
+      sp(0.7f, 40, 1.f, 0.f, 1.f, 64),    sp(1.3f, 128, 0.9f, 0.f, 1.f, 64),   sp(0.5f, 7, 1.f, 0.1f, 1.3f, 64),
+      sp(0.f, 40, 1.f, 0.f, 1.5f, 1024),  sp(1.f, 1, 1.f, 0.f, 1.f, 64),       sp(2.f, 128, 0.5f, 0.05f, 0.8f, 300),
+      sp(0.9f, 100, 0.97f, 0.f, 1.1f, 5), sp(3.f, 64, 1.f, 0.2f, 1.2f, 1024)};
+  Dev<unsigned char> scratch(std::vector<unsigned char>(k::kSampleScratchBytes, 0));
+  Dev<int32_t> out(2), chain(2);
+  Dev<double> du(2);
+  int cases = 0;
+  for (int V : {151936, 4099, 2048, 2049, 37}) {
+    Dev<float> dx(static_cast<size_t>(V));
+    for (int dist = 0; dist < 4; ++dist) {
+      for (const SamplerParams& p : sets) {
+        SCOPED_TRACE(::testing::Message() << "V " << V << " dist " << dist << " T " << p.temperature << " k "
+                                          << p.top_k << " top-p " << p.top_p << " min-p " << p.min_p << " penalty "
+                                          << p.repeat_penalty << " last " << p.repeat_last_n);
+        std::vector<float> x = randn(static_cast<size_t>(V), rng, 2.f);
+        if (dist == 1)
+          for (float& v : x) v = std::round(v * 2.f) / 2.f;  // many ties
+        if (dist == 2) x[rng() % V] = 30.f;                   // one token far ahead
+        if (dist == 3)  // two values: over a thousand ties at a block's threshold (the full sort's path)
+          for (float& v : x) v = rng() % 5 < 3 ? 1.f : -1.f;
+        const int pos = static_cast<int>(rng() % 600);
+        std::vector<int32_t> hist(static_cast<size_t>(pos) + 2, -7);
+        for (int j = 0; j <= pos; ++j) {
+          const uint64_t r = rng() % 16;
+          hist[j] = r == 0 ? -1 : r == 1 ? V + 3 : r < 6 ? static_cast<int32_t>(rng() % 5) : static_cast<int32_t>(rng() % V);
+        }
+        const int n_ctx = pos + 1 + static_cast<int>(rng() % 2);  // hist[pos + 1] written only inside the context
+        Dev<int32_t> dh(hist);
+        moe::run::Sampler host(p);
+        const double u = moe::run::Sampler(p).uniform();  // the host's first draw
+        std::vector<double> us(2, -1.0);
+        us[pos & 1] = u;
+        du.put(us);
+        dx.put(x);
+        chain.put({-1, pos});
+        k::SampleParams d;
+        d.greedy = p.temperature == 0.f || p.top_k == 1;
+        d.temperature = p.temperature;
+        d.top_k = p.top_k;
+        d.top_p = p.top_p;
+        d.min_p = p.min_p;
+        d.penalty = p.repeat_penalty;
+        d.last_n = p.repeat_last_n;
+        ASSERT_TRUE(k::sample_supported(d, V));
+        ok(k::sample(dx.p, V, d, scratch.p, dh.p, n_ctx, du.p, out.p, nullptr, chain.p, chain.p + 1, nullptr));
+        ok(cudaDeviceSynchronize());
+        const std::vector<int32_t> window(hist.begin(), hist.begin() + pos + 1);
+        const int32_t want = host.sample(x, window);
+        EXPECT_EQ(out.get(), (std::vector<int32_t>{want, 0}));
+        EXPECT_EQ(chain.get(), (std::vector<int32_t>{want, pos + 1}));
+        EXPECT_EQ(dh.get()[pos + 1], pos + 1 < n_ctx ? want : -7);
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 5 * 4 * static_cast<int>(sets.size()));
+  const std::vector<unsigned char> left = scratch.get();
+  EXPECT_TRUE(std::all_of(left.begin(), left.begin() + 8, [](unsigned char b) { return b == 0; })) << "counters";
+  // a NaN is flagged and never drawn; the result to the host slot of the position's parity, `out` untouched
+  std::vector<float> x = randn(4099, rng);
+  x[100] = std::nanf("");
+  x[200] = 50.f;
+  Dev<float> dx(x);
+  Dev<int32_t> dh(std::vector<int32_t>(8, 0));
+  int32_t* host = nullptr;
+  ok(cudaHostAlloc(reinterpret_cast<void**>(&host), 4 * sizeof(int32_t), cudaHostAllocMapped));
+  int32_t* host_dev = nullptr;
+  ok(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
+  std::fill(host, host + 4, -3);
+  chain.put({-1, 5});
+  out.put({-5, -5});
+  k::SampleParams g;
+  g.greedy = 1;
+  ok(k::sample(dx.p, 4099, g, scratch.p, dh.p, 8, nullptr, nullptr, host_dev, chain.p, chain.p + 1, nullptr));
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(std::vector<int32_t>(host, host + 4), (std::vector<int32_t>{-3, -3, 200, 1})) << "slot 1 (position 5)";
+  EXPECT_EQ(out.get(), (std::vector<int32_t>{-5, -5}));
+  EXPECT_EQ(chain.get(), (std::vector<int32_t>{200, 6}));
+  cudaFreeHost(host);
+  // what the device does not draw: top-k off or past kSampleMaxK, no temperature, windows past kSampleMaxWindow
+  k::SampleParams no = g;
+  no.greedy = 0;
+  no.top_k = 0;
+  EXPECT_FALSE(k::sample_supported(no, 4099));
+  no.top_k = k::kSampleMaxK + 1;
+  EXPECT_FALSE(k::sample_supported(no, 4099));
+  no.top_k = 40;
+  no.temperature = 0.f;
+  EXPECT_FALSE(k::sample_supported(no, 4099));
+  g.penalty = 1.1f;
+  g.last_n = k::kSampleMaxWindow + 1;
+  EXPECT_FALSE(k::sample_supported(g, 4099));
+  EXPECT_EQ(k::sample(dx.p, 4099, no, scratch.p, dh.p, 8, du.p, out.p, nullptr, chain.p, chain.p + 1, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST(CudaKernels, RmsnormRowsAndArgmax) {
