@@ -3,11 +3,13 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "moe/error.hpp"
+#include "moe/sampler.hpp"
 
 namespace moe {
 
@@ -31,6 +33,24 @@ class Forward {
       if (l[i] > l[best]) best = static_cast<int32_t>(i);
     }
     return best;
+  }
+  // Sampled decoding without the logits coming back: whether this forward draws the tokens of `p`
+  // itself (the CUDA forward: top-k 1..128 or greedy with a repeat penalty; src/cuda), and one step of
+  // it: evaluates history.back() at position n_past() and returns the token run::Sampler::sample would
+  // draw from its logits, the repeat penalty's window taken from `history` (every token so far); `uniform`
+  // gives the draw's uniform, called once per sampled step in step order (as the Sampler's own draws; never
+  // when p is greedy). A non-finite logit throws moe::Error as eval_greedy does.
+  virtual bool samples_on_device(const run::SamplerParams& p) const {
+    (void)p;
+    return false;
+  }
+  // Readies eval_sample for `p` ahead of the first step (the CUDA forward captures its graph), so that the first
+  // sampled step does not pay for it; optional.
+  virtual void prepare_sample(const run::SamplerParams& p) { (void)p; }
+  virtual int32_t eval_sample(std::span<const int32_t> history, const run::SamplerParams& p,
+                              const std::function<double()>& uniform) {
+    (void)history, (void)p, (void)uniform;
+    fail(Exit::other, "{} forward: no sampler on the device", name());
   }
   virtual int64_t n_past() const = 0;
   virtual int64_t n_ctx() const = 0;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -89,6 +90,7 @@ CudaForward::~CudaForward() {
   if (!profile_path_.empty()) write_profile();
   if (graph_logits_) cudaGraphExecDestroy(graph_logits_);
   if (graph_greedy_) cudaGraphExecDestroy(graph_greedy_);
+  if (graph_sample_) cudaGraphExecDestroy(graph_sample_);
   if (host_io_) cudaFreeHost(host_io_);
   if (logits_host_) cudaFreeHost(logits_host_);
   for (cudaEvent_t e : step_done_)
@@ -137,7 +139,7 @@ int32_t CudaForward::eval_greedy(int32_t token) {
   if (n_past_ + 1 > n_ctx_)
     fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
   step_ = "a CUDA kernel failed at decode position";
-  const bool hit = ahead_ && token == ahead_token_;
+  const bool hit = ahead_ && ahead_tail_ == Tail::greedy && token == ahead_token_;
   ahead_ = false;  // set again only once this call has succeeded
   int s;
   if (hit) {
@@ -159,6 +161,85 @@ int32_t CudaForward::eval_greedy(int32_t token) {
   const int32_t* r = host_io_ + 4 + 2 * s;
   if (r[1] != 0) fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
   ahead_ = launched;
+  ahead_tail_ = Tail::greedy;
+  ahead_token_ = r[0];
+  return r[0];
+}
+
+k::SampleParams CudaForward::sample_params(const run::SamplerParams& p) {
+  k::SampleParams s;
+  s.greedy = p.temperature == 0.0f || p.top_k == 1;  // as run::Sampler::greedy()
+  s.temperature = p.temperature;
+  s.top_k = p.top_k;
+  s.top_p = p.top_p;
+  s.min_p = p.min_p;
+  s.penalty = p.repeat_penalty;
+  s.last_n = p.repeat_last_n;
+  return s;
+}
+
+bool CudaForward::samples_on_device(const run::SamplerParams& p) const {
+  return device_sampler_ && host_result_ && sample_scratch_ && k::sample_supported(sample_params(p), output_.rows);
+}
+
+void CudaForward::prepare_sample(const run::SamplerParams& p) {
+  if (!samples_on_device(p)) return;
+  const k::SampleParams sp = sample_params(p);
+  const auto same = [](const k::SampleParams& a, const k::SampleParams& b) {
+    return a.temperature == b.temperature && a.top_k == b.top_k && a.top_p == b.top_p && a.min_p == b.min_p &&
+           a.penalty == b.penalty && a.last_n == b.last_n && a.greedy == b.greedy;
+  };
+  if (graph_sample_ && same(sp, sample_params_)) return;
+  step_ = "graph capture failed at decode position";
+  check_step(cudaStreamSynchronize(stream_));
+  ahead_ = false;
+  if (graph_sample_) cudaGraphExecDestroy(graph_sample_);
+  graph_sample_ = nullptr;
+  sample_params_ = sp;
+  graph_sample_ = capture_graph(Tail::sample);
+}
+
+int32_t CudaForward::eval_sample(std::span<const int32_t> history, const run::SamplerParams& p,
+                                 const std::function<double()>& uniform) {
+  if (!samples_on_device(p)) fail(Exit::other, "cuda forward: these sampler settings are not drawn on the device");
+  if (history.empty() || static_cast<int64_t>(history.size()) != n_past_ + 1)
+    fail(Exit::usage, "cuda forward: eval_sample needs the {} tokens up to position {}, got {}", n_past_ + 1, n_past_,
+         history.size());
+  const int32_t token = history.back();
+  check_tokens(std::span<const int32_t>(&token, 1));
+  if (n_past_ + 1 > n_ctx_)
+    fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
+  const k::SampleParams sp = sample_params(p);
+  prepare_sample(p);
+  step_ = "a CUDA kernel failed at decode position";
+  const bool hit = ahead_ && ahead_tail_ == Tail::sample && token == ahead_token_;
+  ahead_ = false;  // set again only once this call has succeeded
+  double* u = reinterpret_cast<double*>(host_io_ + 8);  // the graph reads slot (position & 1)
+  const int s = static_cast<int>(n_past_ & 1);
+  if (!hit) {
+    const size_t m = sp.penalty != 1.0f && sp.last_n > 0 ? std::min(history.size(), static_cast<size_t>(sp.last_n)) : 0;
+    if (m > 0) {  // the window; the graph appends the tokens it draws
+      std::copy(history.end() - static_cast<std::ptrdiff_t>(m), history.end(), host_io_ + kHistStage);
+      check_step(cudaMemcpyAsync(hist_ + (history.size() - m), host_io_ + kHistStage, m * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, stream_));
+    }
+    if (!sp.greedy) u[s] = uniform();
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    enqueue_chained(graph_sample_, s, &token);
+  }
+  bool launched = false;
+  if (chain_ && n_past_ + 2 <= n_ctx_) {
+    if (!sp.greedy) u[s ^ 1] = uniform();
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    enqueue_chained(graph_sample_, s ^ 1, nullptr);
+    launched = true;
+  }
+  check_step(cudaEventSynchronize(step_done_[s]));
+  n_past_ += 1;
+  const int32_t* r = host_io_ + 4 + 2 * s;
+  if (r[1] != 0) fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
+  ahead_ = launched;
+  ahead_tail_ = Tail::sample;
   ahead_token_ = r[0];
   return r[0];
 }
@@ -260,6 +341,8 @@ std::vector<size_t> CudaForward::scratch_sizes() const {
                 k::split_h16_bytes(static_cast<int>(B), static_cast<int>(Q)),  // input (h, o or act)
                 k::split_h16_bytes(static_cast<int>(B * K), static_cast<int>(F))}),
       c_.n_layer * 2 * 4,                                   // the expert GEMMs' work tickets (prefill)
+      k::kSampleScratchBytes,                               // the device sampler's counters and lists
+      static_cast<size_t>(n_ctx_) * 4,                      // the tokens by position (the sampler's window)
   };
 }
 
@@ -407,15 +490,18 @@ void CudaForward::alloc_scratch() {
   racc_.ref = reinterpret_cast<float*>(p[21] + (c_.n_expert + 1) * 8);
   split_ = p[22];
   tickets_ = reinterpret_cast<int*>(p[23]);
+  sample_scratch_ = p[24];
+  hist_ = reinterpret_cast<int32_t*>(p[25]);
+  device_sampler_ = k::env_switch("MOE_CUDA_DEVICE_SAMPLER", true);
   // mapped, so that the greedy graph can write its token there (host_result_); else plain pinned memory and the
   // greedy results come back by copies
-  if (cudaHostAlloc(reinterpret_cast<void**>(&host_io_), 64, cudaHostAllocMapped) != cudaSuccess ||
+  if (cudaHostAlloc(reinterpret_cast<void**>(&host_io_), kHostIoBytes, cudaHostAllocMapped) != cudaSuccess ||
       cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0) != cudaSuccess) {
     cudaGetLastError();
     if (host_io_) cudaFreeHost(host_io_);
     host_io_ = nullptr;
     host_io_dev_ = nullptr;
-    check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), 64), "upload failed: pinned buffer");
+    check(cudaMallocHost(reinterpret_cast<void**>(&host_io_), kHostIoBytes), "upload failed: pinned buffer");
   }
   if (k::env_switch("MOE_CUDA_PINNED_LOGITS", true) &&
       cudaMallocHost(reinterpret_cast<void**>(&logits_host_), static_cast<size_t>(n_vocab()) * sizeof(float)) !=

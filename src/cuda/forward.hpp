@@ -49,6 +49,15 @@ class CudaForward final : public Forward {
   // MOE_CUDA_CHAIN=0 turns it off (read when the forward is made).
   int32_t eval_greedy(int32_t token) override;
 
+  // Sampled decoding the same way (k::sample draws the token at the end of a third graph, captured at the first
+  // use of a parameter set): the step ahead is enqueued with the next uniform before this step's token is read.
+  // The penalty's window goes to the device when a step is not the one already running; after that the graph
+  // appends its tokens itself. MOE_CUDA_DEVICE_SAMPLER=0 turns it off (the host samples the copied logits).
+  bool samples_on_device(const run::SamplerParams& p) const override;
+  void prepare_sample(const run::SamplerParams& p) override;
+  int32_t eval_sample(std::span<const int32_t> history, const run::SamplerParams& p,
+                      const std::function<double()>& uniform) override;
+
   int64_t n_past() const override { return n_past_; }
   int64_t n_ctx() const override { return n_ctx_; }
   int64_t n_vocab() const override { return output_.rows; }
@@ -111,8 +120,12 @@ class CudaForward final : public Forward {
     return kv_.as<uint8_t>((l * 2 + 1) * static_cast<size_t>(n_ctx_) * c_.kv_dim() * 2);
   }
 
-  // One decode token: reads the token id from token_ and its position from pos_.
-  void enqueue_decode(bool greedy);
+  // One decode token: reads the token id from token_ and its position from pos_; the graph's tail after the
+  // LM head: none (the logits stay in logits_), the argmax, or the device sampler with sample_params_.
+  enum class Tail { logits, greedy, sample };
+  void enqueue_decode(Tail tail);
+  cudaGraphExec_t capture_graph(Tail tail);
+  static k::SampleParams sample_params(const run::SamplerParams& p);
 
   // MOE_PERSIST_PROFILE=file: the barrier times of the last decode token, one line per (barrier, block).
   void write_profile();
@@ -134,7 +147,8 @@ class CudaForward final : public Forward {
   // argmax in result slot s (host_io_[4 + 2s], [5 + 2s]: written by the graph itself with host_result_, where s
   // is the step's position parity, else copied after it) and step_done_[s] recorded. token: the
   // step's token from the host, or null: the previous greedy step's argmax, on the device already.
-  void enqueue_greedy(int s, const int32_t* token);
+  void enqueue_greedy(int s, const int32_t* token) { enqueue_chained(graph_greedy_, s, token); }
+  void enqueue_chained(cudaGraphExec_t graph, int s, const int32_t* token);
   void decode_step(int32_t token, bool greedy);
   void prefill_chunk(const int32_t* tokens, int n, bool all_logits, bool last);
 
@@ -207,7 +221,10 @@ class CudaForward final : public Forward {
   struct {
     int32_t* ptr = nullptr;
   } argmax_;
-  int32_t* host_io_ = nullptr;  // pinned: token, pos, -, prefill pos, then two greedy results {argmax, non-finite}
+  // pinned: token, pos, -, prefill pos, then two greedy results {argmax, non-finite}; at byte 32 the device
+  // sampler's two uniforms (doubles), at int kHistStage the penalty window's staging (k::kSampleMaxWindow ints)
+  static constexpr size_t kHistStage = 16, kHostIoBytes = (kHistStage + k::kSampleMaxWindow) * sizeof(int32_t);
+  int32_t* host_io_ = nullptr;
   int32_t* host_io_dev_ = nullptr;  // host_io_ mapped into the device's address space
   // pinned: a decode step's logits on their way to the caller's vector (a copy into pageable memory goes through
   // the driver's own staging; MOE_CUDA_PINNED_LOGITS=0: straight into the vector)
@@ -217,6 +234,7 @@ class CudaForward final : public Forward {
   bool host_result_ = false;
   // greedy decoding one step ahead (eval_greedy)
   bool chain_ = true, ahead_ = false;
+  Tail ahead_tail_ = Tail::greedy;  // the graph of the step ahead
   int32_t ahead_token_ = -1;
   int slot_ = 0, ahead_slot_ = 0;
   cudaEvent_t step_done_[2] = {nullptr, nullptr};
@@ -225,6 +243,13 @@ class CudaForward final : public Forward {
   cudaStream_t side_ = nullptr;  // the prefill's V projection, next to K (and Q) on stream_
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   cudaGraphExec_t graph_logits_ = nullptr, graph_greedy_ = nullptr;
+  // the device sampler (eval_sample): its graph and parameters, scratch, and the tokens by position (the penalty's
+  // window: written by the host when a step is not the one already running, then by the graph)
+  cudaGraphExec_t graph_sample_ = nullptr;
+  k::SampleParams sample_params_;
+  void* sample_scratch_ = nullptr;
+  int32_t* hist_ = nullptr;
+  bool device_sampler_ = true;
 };
 
 }  // namespace moe::cuda::detail

@@ -44,7 +44,7 @@ k::Rope CudaForward::rope() const {
   return r;
 }
 
-void CudaForward::enqueue_decode(bool greedy) {
+void CudaForward::enqueue_decode(Tail tail) {
   const char* step = "graph capture failed";
   const int E = static_cast<int>(c_.n_embd), Q = static_cast<int>(c_.q_dim()), KV = static_cast<int>(c_.kv_dim());
   const int K = static_cast<int>(c_.n_expert_used);
@@ -116,9 +116,14 @@ void CudaForward::enqueue_decode(bool greedy) {
   }
   k::GemvOut head{output_, static_cast<float*>(logits_.ptr)};
   check(k::gemv(&head, 1, x_, out_norm_, eps, false, stream_), step);
-  if (greedy)  // also the next greedy step's token and position (see eval_greedy)
+  if (tail == Tail::greedy)  // also the next greedy step's token and position (see eval_greedy)
     check(k::argmax(static_cast<float*>(logits_.ptr), output_.rows, argmax_scratch_, argmax_.ptr, stream_, token_,
                     pos_, host_result_ ? host_io_dev_ + 4 : nullptr),
+          step);
+  if (tail == Tail::sample)  // the drawn token likewise (see eval_sample; only with host_result_)
+    check(k::sample(static_cast<float*>(logits_.ptr), output_.rows, sample_params_, sample_scratch_, hist_,
+                    static_cast<int>(n_ctx_), reinterpret_cast<const double*>(host_io_dev_ + 8), nullptr,
+                    host_io_dev_ + 4, token_, pos_, stream_),
           step);
   (void)E;
 }
@@ -208,35 +213,44 @@ void CudaForward::capture() {
   capture_graphs();
 }
 
+cudaGraphExec_t CudaForward::capture_graph(Tail tail) {
+  cudaGraph_t g = nullptr;
+  check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture failed");
+  try {
+    enqueue_decode(tail);
+  } catch (...) {
+    cudaStreamEndCapture(stream_, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  check(cudaStreamEndCapture(stream_, &g), "graph capture failed");
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  check(e, "graph capture failed");
+  return exec;
+}
+
 void CudaForward::capture_graphs() {
-  for (int greedy = 0; greedy < 2; ++greedy) {
-    cudaGraph_t g = nullptr;
-    check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "graph capture failed");
-    try {
-      enqueue_decode(greedy != 0);
-    } catch (...) {
-      cudaStreamEndCapture(stream_, &g);
-      if (g) cudaGraphDestroy(g);
-      throw;
-    }
-    check(cudaStreamEndCapture(stream_, &g), "graph capture failed");
-    cudaGraphExec_t exec = nullptr;
-    cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
-    cudaGraphDestroy(g);
-    check(e, "graph capture failed");
-    cudaGraphExec_t& slot = greedy ? graph_greedy_ : graph_logits_;
+  for (Tail tail : {Tail::logits, Tail::greedy}) {
+    cudaGraphExec_t exec = capture_graph(tail);
+    cudaGraphExec_t& slot = tail == Tail::greedy ? graph_greedy_ : graph_logits_;
     if (slot) cudaGraphExecDestroy(slot);
     slot = exec;
   }
+  if (graph_sample_) {  // captured again at its next use
+    cudaGraphExecDestroy(graph_sample_);
+    graph_sample_ = nullptr;
+  }
 }
 
-void CudaForward::enqueue_greedy(int s, const int32_t* token) {
+void CudaForward::enqueue_chained(cudaGraphExec_t graph, int s, const int32_t* token) {
   if (token) {
     host_io_[0] = *token;
     host_io_[1] = static_cast<int32_t>(n_past_);
     check_step(cudaMemcpyAsync(token_, host_io_, 2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   }
-  check_step(cudaGraphLaunch(graph_greedy_, stream_));
+  check_step(cudaGraphLaunch(graph, stream_));
   // host_result_: the graph's argmax wrote slot s (its position's parity) of host_io_ itself; a copy after the
   // graph put the copy engine between every two tokens (BM_Decode/0 678.0-678.6 vs 683.1-683.4 without it,
   // docs/PERFORMANCE.md version 28)

@@ -230,4 +230,24 @@ int32_t Engine::eval_greedy(int32_t token, std::span<const int32_t> history) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
+int32_t Engine::eval_sample(std::span<const int32_t> history, Sampler& sampler) {
+  if (on_gpu_) {
+    try {
+      return fwd_->eval_sample(history, sampler.params(), [&sampler] { return sampler.uniform(); });
+    } catch (const std::exception& e) {
+      fall_back(e.what());
+      std::vector<float> logits;
+      fwd_->eval(history, false, logits);  // the CPU starts from an empty cache
+      const int64_t bad = first_non_finite(logits);
+      if (bad >= 0)
+        fail(Exit::inference, "non-finite logits at position {} (token id {}) on the CPU",
+             static_cast<int64_t>(history.size()) - 1, bad);
+      return sampler.sample(logits, history);
+    }
+  }
+  std::vector<float> logits;
+  eval(history.last(1), history, false, logits);
+  return sampler.sample(logits, history);
+}
+
 }  // namespace moe::run

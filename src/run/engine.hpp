@@ -14,6 +14,7 @@
 #include "moe/model.hpp"
 #include "moe/quant.hpp"
 #include "moe/run.hpp"
+#include "moe/sampler.hpp"
 
 namespace moe::run {
 
@@ -56,6 +57,22 @@ class Engine {
   // returns the argmax (lowest id on ties). A GPU failure (an exception, or a non-finite logit that the
   // device's argmax flags) falls back to the CPU as eval does; on the CPU it is eval + argmax.
   int32_t eval_greedy(int32_t token, std::span<const int32_t> history);
+
+  // Sampled decoding of one token (history.back()) with the draw on the GPU (Forward::eval_sample), when
+  // samples_on_device says the serving forward can: the same token as sampler.sample on the logits, the
+  // uniforms taken from `sampler` in the same order. A GPU failure falls back to the CPU as eval_greedy
+  // does, which then samples with `sampler` on the host.
+  bool samples_on_device(const SamplerParams& p) const { return on_gpu_ && fwd_->samples_on_device(p); }
+  int32_t eval_sample(std::span<const int32_t> history, Sampler& sampler);
+  // Readies the GPU's sampler for `p` before the decode (its graph's capture): see Forward::prepare_sample.
+  // A failure here is left to the first eval_sample, which falls back.
+  void prepare_sample(const SamplerParams& p) {
+    if (!samples_on_device(p)) return;
+    try {
+      fwd_->prepare_sample(p);
+    } catch (const std::exception&) {
+    }
+  }
 
   const BackendReport& report() const { return rep_; }
   bool on_gpu() const { return on_gpu_; }

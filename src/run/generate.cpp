@@ -129,6 +129,16 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
   // A SIGINT during loading skips the prefill too.
   bool interrupted = interrupt_requested();
 
+  Sampler sampler(cfg.sampler);
+  // Plain greedy decoding on the GPU keeps the logits on the device (only the argmax comes back);
+  // any logit-dependent feature (a repeat penalty, sampling, dumps) takes the full row.
+  const bool device_greedy = sampler.greedy() && !dump &&
+                             (cfg.sampler.repeat_penalty == 1.0f || cfg.sampler.repeat_last_n == 0);
+  // Sampling (or greedy with a repeat penalty) likewise where the GPU draws the token itself (top-k 1..128); its
+  // graph is captured before the prefill, outside the decode's timing.
+  const bool device_sample = !device_greedy && !dump && engine.samples_on_device(cfg.sampler);
+  if (device_sample && !interrupted) engine.prepare_sample(cfg.sampler);
+
   const auto t_prefill = Clock::now();
   if (!interrupted) {
     engine.eval(prompt, history, dump, logits);
@@ -140,11 +150,6 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
 
   const size_t last_row = dump ? static_cast<size_t>((n_prompt - 1) * nv) : 0;
   std::span<float> row(logits.data() + (interrupted ? 0 : last_row), interrupted ? 0 : static_cast<size_t>(nv));
-  Sampler sampler(cfg.sampler);
-  // Plain greedy decoding on the GPU keeps the logits on the device (only the argmax comes back);
-  // any logit-dependent feature (a repeat penalty, sampling, dumps) takes the full row.
-  const bool device_greedy = sampler.greedy() && !dump &&
-                             (cfg.sampler.repeat_penalty == 1.0f || cfg.sampler.repeat_last_n == 0);
   int32_t next = -1;  // the next token when the device already picked it
   while (!interrupted && static_cast<int64_t>(generated.size()) < cfg.max_tokens) {
     if (interrupt_requested()) {
@@ -173,6 +178,10 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
     }
     if (device_greedy && engine.on_gpu()) {
       next = engine.eval_greedy(history.back(), history);
+      continue;
+    }
+    if (device_sample && engine.on_gpu()) {
+      next = engine.eval_sample(history, sampler);
       continue;
     }
     next = -1;

@@ -394,6 +394,33 @@ TEST(Cli, CudaBuildServesOrFallsBackWithTheCudaError) {
 #endif
 }
 
+// Sampled decoding on a device: the draw on the GPU (the default) gives the tokens of the host's sampler on the
+// copied logits (MOE_CUDA_DEVICE_SAMPLER=0) for the same seed, with and without a repeat penalty, and greedy
+// with a penalty; top-k 0 is drawn on the host either way.
+TEST(Cli, CudaSampledDecodeDrawsOnTheDeviceAsOnTheHost) {
+#if !defined(MOE_HAVE_CUDA)
+  GTEST_SKIP() << "CPU-only build";
+#else
+  if (moe::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::vector<std::vector<std::string>> flags = {
+      {"--temperature", "0.8", "--seed", "11"},
+      {"--temperature", "1.4", "--top-k", "128", "--top-p", "0.9", "--min-p", "0.02", "--repeat-penalty", "1.2"},
+      {"--repeat-penalty", "1.5", "--repeat-last-n", "8"},
+      {"--temperature", "0.8", "--top-k", "0", "--top-p", "0.95"}};
+  for (const auto& f : flags) {
+    const std::vector<std::string> a =
+        with(with({kTiny, "Tell me a story about a dragon", "--json"}, {"-n", "40", "--threads", "2"}), f);
+    const Proc d = moe(a), h = moe(a, {{"MOE_CUDA_DEVICE_SAMPLER", "0"}});
+    ASSERT_EQ(d.status, 0) << d.err;
+    ASSERT_EQ(h.status, 0) << h.err;
+    const auto vd = mini_json::parse(d.out), vh = mini_json::parse(h.out);
+    EXPECT_EQ(vd["backend"]["ran"].s, "cuda");
+    EXPECT_EQ(vd["tokens"].ints(), vh["tokens"].ints()) << f[0] << " " << f[1];
+    EXPECT_FALSE(vd["tokens"].ints().empty());  // 40 unless an end token comes first: the same on both sides
+  }
+#endif
+}
+
 // ---- --inspect, --tokenize ------------------------------------------------------------------------------
 
 TEST(Cli, InspectJsonReportsTheGeometry) {

@@ -19,6 +19,7 @@
 #include "moe/cpu.hpp"
 #include "moe/error.hpp"
 #include "moe/model.hpp"
+#include "moe/sampler.hpp"
 
 namespace {
 
@@ -293,6 +294,75 @@ TEST(CudaModel, GreedyOneStepAheadMatchesStepByStep) {
     chained->reset();
     plain->reset();
   }
+}
+
+// Sampled decoding with the draw on the device (eval_sample, chained one step ahead) against the host's sampler
+// on the same forward's copied logits: the same tokens for the same seed, through an abandoned step ahead, a
+// change of parameters (a new graph), greedy with a repeat penalty, and to the end of the context.
+TEST(CudaModel, SampledOnTheDeviceMatchesTheHostSampler) {
+  REQUIRE_GPU();
+  Model m = fixture("tiny-qwen3moe-q4_k_m");
+  moe::cuda::Options go;
+  go.n_ctx = 120;
+  auto dev = moe::cuda::make_forward(m, go, nullptr);
+  auto ref = moe::cuda::make_forward(m, go, nullptr);
+  const int64_t V = ref->n_vocab();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  moe::run::SamplerParams a;
+  a.temperature = 0.9f;
+  a.repeat_penalty = 1.3f;
+  a.repeat_last_n = 16;
+  a.seed = static_cast<uint32_t>(seed);
+  moe::run::SamplerParams b = a;
+  b.temperature = 1.7f;
+  b.top_k = 128;
+  b.top_p = 0.8f;
+  b.min_p = 0.01f;
+  b.repeat_last_n = 200;
+  moe::run::SamplerParams g = a;
+  g.temperature = 0.f;
+  ASSERT_TRUE(dev->samples_on_device(a));
+  ASSERT_TRUE(dev->samples_on_device(b));
+  ASSERT_TRUE(dev->samples_on_device(g));
+  moe::run::SamplerParams off = a;
+  off.top_k = 0;
+  EXPECT_FALSE(dev->samples_on_device(off));
+  std::vector<int32_t> hist = prompt(12, V, seed);
+  std::vector<float> la, lb;
+  dev->eval(hist, false, la);
+  ref->eval(hist, false, lb);
+  ASSERT_EQ(la, lb);
+  dev->prepare_sample(a);  // the graph captured ahead (eval_sample would capture it itself)
+  moe::run::Sampler sd(a), sr(a);
+  hist.push_back(sr.sample(lb, hist));
+  sd.uniform();  // the first token came from the host on both sides
+  auto steps = [&](moe::run::Sampler& d, moe::run::Sampler& r, const moe::run::SamplerParams& p, int n) {
+    for (int s = 0; s < n && ref->n_past() < go.n_ctx; ++s) {
+      const int32_t x = dev->eval_sample(hist, p, [&d] { return d.uniform(); });
+      std::vector<float> l;
+      ref->eval(std::span<const int32_t>(&hist.back(), 1), false, l);
+      const int32_t y = r.sample(l, hist);
+      ASSERT_EQ(x, y) << "position " << hist.size() - 1;
+      hist.push_back(x);
+    }
+  };
+  steps(sd, sr, a, 30);
+  // another token than the step ahead runs with: that step and its uniform are dropped (the host's sampler skips one)
+  hist.back() = (hist.back() + 1) % static_cast<int32_t>(V);
+  sr.uniform();
+  steps(sd, sr, a, 10);
+  moe::run::Sampler sd2(b), sr2(b);
+  steps(sd2, sr2, b, 30);  // new parameters: a new graph, the window from the host again
+  moe::run::Sampler sd3(g), sr3(g);
+  steps(sd3, sr3, g, 20);  // greedy with the penalty: no uniforms at all
+  sr.uniform();  // the step ahead of the last run with `a` was dropped by the change of parameters
+  steps(sd, sr, a, 1000);  // to the end of the context
+  EXPECT_EQ(dev->n_past(), go.n_ctx);
+  EXPECT_THROW(dev->eval_sample(hist, a, [&sd] { return sd.uniform(); }), moe::Error);
+  std::vector<int32_t> wrong(hist.begin(), hist.begin() + 5);
+  dev->reset();
+  EXPECT_THROW(dev->eval_sample(wrong, a, [&sd] { return sd.uniform(); }), moe::Error) << "a history not up to n_past";
 }
 
 TEST(CudaModel, FailuresAreErrorsNamingTheStep) {

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +25,7 @@
 #include "trace.cuh"
 #include "moe/cuda.hpp"
 #include "moe/model.hpp"
+#include "moe/sampler.hpp"
 #include "moe/quant.hpp"
 
 namespace {
@@ -418,6 +420,43 @@ void BM_ArgmaxVocab(benchmark::State& st) {
 }
 BENCHMARK(BM_ArgmaxVocab)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// The device sampler over a Qwen vocabulary: top-k range(0) at temperature 0.7 with a repeat penalty over 64
+// tokens (range(0) = 1: greedy with the penalty).
+void BM_SampleVocab(benchmark::State& st) {
+  const int V = 151936;
+  float* x = dev_floats(V);
+  std::vector<float> h(V);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  for (float& v : h) v = nd(rng);
+  ck(cudaMemcpy(x, h.data(), V * sizeof(float), cudaMemcpyHostToDevice));
+  void* scratch = nullptr;
+  ck(cudaMalloc(&scratch, k::kSampleScratchBytes));
+  ck(cudaMemset(scratch, 0, k::kSampleScratchBytes));  // its counters start at zero
+  int32_t *hist = nullptr, *out = nullptr, *chain = nullptr;
+  double* u = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&hist), 8192 * sizeof(int32_t)));
+  ck(cudaMemset(hist, 0, 8192 * sizeof(int32_t)));
+  ck(cudaMalloc(reinterpret_cast<void**>(&out), 2 * sizeof(int32_t)));
+  ck(cudaMalloc(reinterpret_cast<void**>(&chain), 2 * sizeof(int32_t)));
+  ck(cudaMemset(chain, 0, 2 * sizeof(int32_t)));
+  const double half[2] = {0.5, 0.5};
+  ck(cudaMalloc(reinterpret_cast<void**>(&u), sizeof(half)));
+  ck(cudaMemcpy(u, half, sizeof(half), cudaMemcpyHostToDevice));
+  k::SampleParams p;
+  p.temperature = 0.7f;
+  p.top_k = static_cast<int>(st.range(0));
+  p.greedy = p.top_k == 1;
+  p.penalty = 1.1f;
+  p.last_n = 64;
+  // the position grows by one each launch; the window stays inside hist (8192 > the replays' launches)
+  time_kernel(st, V * 4.0, [&](cudaStream_t s) { return k::sample(x, V, p, scratch, hist, 8192, u, out, nullptr, chain, chain + 1, s); });
+  for (void* q : {static_cast<void*>(x), scratch, static_cast<void*>(hist), static_cast<void*>(out),
+                  static_cast<void*>(chain), static_cast<void*>(u)})
+    cudaFree(q);
+}
+BENCHMARK(BM_SampleVocab)->Arg(40)->Arg(128)->Arg(1)->Iterations(kMicroIters)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 // ---- the whole forward ---------------------------------------------------------------------------------
 struct Loaded {
   std::shared_ptr<const moe::model::OwnedQuantizedModel> model;
@@ -484,6 +523,46 @@ void BM_Decode(benchmark::State& st) {
       benchmark::Counter(l->bytes_per_token * st.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_Decode)->Arg(0)->Arg(4096)->Iterations(256)->Unit(benchmark::kMicrosecond);
+
+// Sampled decoding (temperature 0.7, top-k 40, the CLI's default when sampling) as BM_Decode: the draw on the
+// device, one step ahead (Forward::eval_sample); the sampler's graph is captured before the timed loop.
+void BM_DecodeSampled(benchmark::State& st) {
+  Loaded* l = loaded();
+  if (!l) {
+    st.SkipWithError("MOE_BENCH_MODEL is not set");
+    return;
+  }
+  moe::run::SamplerParams p;
+  p.temperature = 0.7f;
+  if (!l->fwd->samples_on_device(p)) {
+    st.SkipWithError("no sampler on the device (MOE_CUDA_DEVICE_SAMPLER=0?)");
+    return;
+  }
+  moe::run::Sampler sampler(p);
+  const std::function<double()> uniform = [&sampler] { return sampler.uniform(); };
+  const int depth = static_cast<int>(st.range(0));
+  std::vector<int32_t> hist;
+  auto restart = [&] {
+    l->fwd->reset();
+    hist = depth > 0 ? some_tokens(depth, l->fwd->n_vocab()) : std::vector<int32_t>{};
+    std::vector<float> logits;
+    if (depth > 0) l->fwd->eval(hist, false, logits);
+    hist.push_back(1000);
+  };
+  restart();
+  hist.push_back(l->fwd->eval_sample(hist, p, uniform));
+  const size_t start = hist.size();
+  for (auto _ : st) {
+    if (hist.size() >= start + 256) {
+      st.PauseTiming();
+      restart();
+      st.ResumeTiming();
+    }
+    hist.push_back(l->fwd->eval_sample(hist, p, uniform));
+  }
+  st.counters["tok_per_s"] = benchmark::Counter(static_cast<double>(st.iterations()), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_DecodeSampled)->Arg(0)->Iterations(256)->Unit(benchmark::kMicrosecond);
 
 #ifdef MOE_TRACE
 // Per-block timestamps of two decode tokens (trace.cuh), written as CSV to $MOE_TRACE_OUT: after 8 greedy
