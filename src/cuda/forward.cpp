@@ -156,12 +156,16 @@ int32_t CudaForward::eval_greedy(int32_t token) {
     enqueue_greedy(ahead_slot_, nullptr);
     launched = true;
   }
+  return chained_result(s, launched, Tail::greedy);
+}
+
+int32_t CudaForward::chained_result(int s, bool launched, Tail tail) {
   check_step(cudaEventSynchronize(step_done_[s]));
   n_past_ += 1;
   const int32_t* r = host_io_ + 4 + 2 * s;
   if (r[1] != 0) fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
   ahead_ = launched;
-  ahead_tail_ = Tail::greedy;
+  ahead_tail_ = tail;
   ahead_token_ = r[0];
   return r[0];
 }
@@ -234,14 +238,7 @@ int32_t CudaForward::eval_sample(std::span<const int32_t> history, const run::Sa
     enqueue_chained(graph_sample_, s ^ 1, nullptr);
     launched = true;
   }
-  check_step(cudaEventSynchronize(step_done_[s]));
-  n_past_ += 1;
-  const int32_t* r = host_io_ + 4 + 2 * s;
-  if (r[1] != 0) fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past_ - 1);
-  ahead_ = launched;
-  ahead_tail_ = Tail::sample;
-  ahead_token_ = r[0];
-  return r[0];
+  return chained_result(s, launched, Tail::sample);
 }
 
 void CudaForward::init_device(int device) {

@@ -149,6 +149,9 @@ class CudaForward final : public Forward {
   // step's token from the host, or null: the previous greedy step's argmax, on the device already.
   void enqueue_greedy(int s, const int32_t* token) { enqueue_chained(graph_greedy_, s, token); }
   void enqueue_chained(cudaGraphExec_t graph, int s, const int32_t* token);
+  // Waits for the chained step in result slot s, counts its position, and returns its token (a non-finite logit
+  // throws); `launched`: a step of graph `tail` is now ahead of it.
+  int32_t chained_result(int s, bool launched, Tail tail);
   void decode_step(int32_t token, bool greedy);
   void prefill_chunk(const int32_t* tokens, int n, bool all_logits, bool last);
 

@@ -210,18 +210,23 @@ void Engine::eval(std::span<const int32_t> tokens, std::span<const int32_t> hist
   }
 }
 
+std::vector<float> Engine::cpu_after_failure(const std::string& reason, std::span<const int32_t> history) {
+  fall_back(reason);
+  std::vector<float> logits;
+  fwd_->eval(history, false, logits);  // the CPU starts from an empty cache
+  const int64_t bad = first_non_finite(logits);
+  if (bad >= 0)
+    fail(Exit::inference, "non-finite logits at position {} (token id {}) on the CPU",
+         static_cast<int64_t>(history.size()) - 1, bad);
+  return logits;
+}
+
 int32_t Engine::eval_greedy(int32_t token, std::span<const int32_t> history) {
   if (on_gpu_) {
     try {
       return fwd_->eval_greedy(token);
     } catch (const std::exception& e) {
-      fall_back(e.what());
-      std::vector<float> logits;
-      fwd_->eval(history, false, logits);  // the CPU starts from an empty cache
-      const int64_t bad = first_non_finite(logits);
-      if (bad >= 0)
-        fail(Exit::inference, "non-finite logits at position {} (token id {}) on the CPU",
-             static_cast<int64_t>(history.size()) - 1, bad);
+      const std::vector<float> logits = cpu_after_failure(e.what(), history);
       return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     }
   }
@@ -235,13 +240,7 @@ int32_t Engine::eval_sample(std::span<const int32_t> history, Sampler& sampler) 
     try {
       return fwd_->eval_sample(history, sampler.params(), [&sampler] { return sampler.uniform(); });
     } catch (const std::exception& e) {
-      fall_back(e.what());
-      std::vector<float> logits;
-      fwd_->eval(history, false, logits);  // the CPU starts from an empty cache
-      const int64_t bad = first_non_finite(logits);
-      if (bad >= 0)
-        fail(Exit::inference, "non-finite logits at position {} (token id {}) on the CPU",
-             static_cast<int64_t>(history.size()) - 1, bad);
+      std::vector<float> logits = cpu_after_failure(e.what(), history);
       return sampler.sample(logits, history);
     }
   }

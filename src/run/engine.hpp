@@ -80,6 +80,9 @@ class Engine {
 
  private:
   void fall_back(const std::string& reason);
+  // After a GPU failure during decoding: falls back, and the CPU's logits for history.back() (it re-evaluates
+  // the whole history); non-finite ones throw Exit::inference.
+  std::vector<float> cpu_after_failure(const std::string& reason, std::span<const int32_t> history);
   std::unique_ptr<Forward> make_cpu(int64_t n_ctx, quant::ActMode mode);
   void cpu_banner();
 
