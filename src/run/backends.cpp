@@ -25,6 +25,12 @@ class Wrapped : public Forward {
   int64_t n_vocab() const override { return inner_->n_vocab(); }
   void reset() override { inner_->reset(); }
   std::string name() const override { return inner_->name(); }
+  bool samples_on_device(const SamplerParams& p) const override { return inner_->samples_on_device(p); }
+  void prepare_sample(const SamplerParams& p) override { inner_->prepare_sample(p); }
+  int32_t eval_sample(std::span<const int32_t> history, const SamplerParams& p,
+                      const std::function<double()>& uniform) override {
+    return inner_->eval_sample(history, p, uniform);
+  }
 
  protected:
   std::unique_ptr<Forward> inner_;
@@ -69,6 +75,18 @@ class Faulty final : public Wrapped {
     }
   }
   int32_t eval_greedy(int32_t token) override { return Forward::eval_greedy(token); }
+  // gpu-kernel also fails the device sampler's steps (the engine's fallback from eval_sample); the faults that
+  // corrupt logits need them on the host
+  bool samples_on_device(const SamplerParams& p) const override {
+    return fault_ == Fault::gpu_kernel && inner_->samples_on_device(p);
+  }
+  int32_t eval_sample(std::span<const int32_t> history, const SamplerParams& p,
+                      const std::function<double()>& uniform) override {
+    if (inner_->n_past() > n_prompt_)
+      fail(Exit::gpu_failed, "a CUDA kernel failed at decode position {}: injected fault (MOE_FAULT=gpu-kernel)",
+           inner_->n_past());
+    return inner_->eval_sample(history, p, uniform);
+  }
 
  private:
   Fault fault_;

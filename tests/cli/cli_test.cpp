@@ -418,6 +418,14 @@ TEST(Cli, CudaSampledDecodeDrawsOnTheDeviceAsOnTheHost) {
     EXPECT_EQ(vd["tokens"].ints(), vh["tokens"].ints()) << f[0] << " " << f[1];
     EXPECT_FALSE(vd["tokens"].ints().empty());  // 40 unless an end token comes first: the same on both sides
   }
+  // a failing GPU step of the device sampler falls back to the CPU (which samples on the host), or exits 14
+  const std::vector<std::string> a = with({kTiny, "Tell me a story about a dragon", "--json", "-n", "16"}, flags[0]);
+  const Proc f = moe(a, {{"MOE_FAULT", "gpu-kernel"}});
+  ASSERT_EQ(f.status, 0) << f.err;
+  EXPECT_EQ(f.count_err("qwen3moe: the CUDA forward did not serve this run, falling back to CPU: a CUDA kernel failed"), 1)
+      << f.err;
+  EXPECT_EQ(mini_json::parse(f.out)["backend"]["ran"].s, "cpu");
+  expect_exit(moe(with(a, {"--gpu"}), {{"MOE_FAULT", "gpu-kernel"}}), 14, "injected fault");
 #endif
 }
 
