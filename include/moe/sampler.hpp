@@ -4,6 +4,7 @@
 // give the same tokens on the same backend. Greedy never touches the RNG.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <span>
 #include <vector>
@@ -38,6 +39,11 @@ struct Candidate {
 // The tokens a non-greedy draw may return (after temperature, top-k, top-p, min-p), sorted by
 // descending logit (lower id first on ties). `logits` are already penalised.
 std::vector<Candidate> candidate_set(std::span<const float> logits, const SamplerParams& p);
+
+// Sampler::sample with the draw's uniform from `uniform` (called once per non-greedy token): the repeat
+// penalty applied to `logits` in place, then greedy or the candidate set and the draw.
+int32_t sample_with(std::span<float> logits, std::span<const int32_t> history, const SamplerParams& p,
+                    const std::function<double()>& uniform);
 
 class Sampler {
  public:

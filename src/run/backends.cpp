@@ -1,10 +1,12 @@
 // The GPU factory of this build, fault injection around it, and the test-only fake GPU.
 #include <cmath>
 #include <cstdlib>
+#include <string_view>
 
 #include "moe/cpu.hpp"
 #include "moe/error.hpp"
 #include "moe/run.hpp"
+#include "engine.hpp"
 #if defined(MOE_HAVE_CUDA)
 #include "moe/cuda.hpp"
 #endif
@@ -36,10 +38,26 @@ class Wrapped : public Forward {
   std::unique_ptr<Forward> inner_;
 };
 
+// Poses as the GPU, down to its sampler on the device: every sampled token goes through eval_sample (the host's
+// sampler on the CPU forward's logits, the uniforms from the caller), so that the CPU-only tests run the
+// engine's device-sampling path and its fallback.
 class FakeGpu final : public Wrapped {
  public:
   using Wrapped::Wrapped;
   std::string name() const override { return "cuda"; }
+  bool samples_on_device(const SamplerParams&) const override {
+    const char* v = std::getenv("MOE_CUDA_DEVICE_SAMPLER");  // =0: the host's path, as on the real GPU
+    return !(v && std::string_view(v) == "0");
+  }
+  void prepare_sample(const SamplerParams&) override {}
+  int32_t eval_sample(std::span<const int32_t> history, const SamplerParams& p,
+                      const std::function<double()>& uniform) override {
+    std::vector<float> logits;
+    inner_->eval(history.last(1), false, logits);
+    const int64_t bad = first_non_finite(logits);
+    if (bad >= 0) fail(Exit::gpu_failed, "the GPU forward produced a non-finite logit at position {}", n_past() - 1);
+    return sample_with(logits, history, p, uniform);
+  }
 };
 
 class Faulty final : public Wrapped {

@@ -153,10 +153,11 @@ std::vector<Candidate> candidate_set(std::span<const float> logits, const Sample
   return c;
 }
 
-int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
-  apply_repeat_penalty(logits, history, p_.repeat_penalty, p_.repeat_last_n);
-  if (greedy()) return argmax(logits);
-  const auto c = candidate_set(logits, p_);
+int32_t sample_with(std::span<float> logits, std::span<const int32_t> history, const SamplerParams& p,
+                    const std::function<double()>& uniform) {
+  apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n);
+  if (p.temperature == 0.0f || p.top_k == 1) return argmax(logits);  // as Sampler::greedy()
+  const auto c = candidate_set(logits, p);
   if (c.empty()) return argmax(logits);
   const double top = c.front().logit;
   double sum = 0;
@@ -170,6 +171,10 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
     if (cum >= u) return x.id;
   }
   return c.back().id;
+}
+
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+  return sample_with(logits, history, p_, [this] { return uniform(); });
 }
 
 }  // namespace moe::run

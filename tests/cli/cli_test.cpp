@@ -355,6 +355,30 @@ TEST(Cli, FaultsFallBackAndAnswerLikeNoGpu) {
   EXPECT_EQ(s.count_err("F2 guard: SKIP_PARITY_GATE=1 \u2014 nothing was compared on this run"), 1) << s.err;
 }
 
+TEST(Cli, FakeGpuSamplesThroughTheDevicePathAndFallsBack) {
+  // The fake GPU draws sampled tokens through Forward::eval_sample like the real one (the same sampler on its CPU
+  // logits): the engine's device-sampling loop gives the host path's tokens, and its failure falls back.
+  for (const std::vector<std::string>& f : std::vector<std::vector<std::string>>{
+           {"--temperature", "0.8", "--seed", "5"}, {"--temperature", "1.3", "--top-k", "0", "--top-p", "0.9"},
+           {"--repeat-penalty", "1.4", "--repeat-last-n", "6"}}) {
+    const std::vector<std::string> a = with({kTiny, "Tell me a story about a dragon", "--json", "-n", "24"}, f);
+    const Proc d = moe(a, {{"MOE_FAKE_GPU", "1"}});
+    const Proc h = moe(a, {{"MOE_FAKE_GPU", "1"}, {"MOE_CUDA_DEVICE_SAMPLER", "0"}});
+    ASSERT_EQ(d.status, 0) << d.err;
+    ASSERT_EQ(h.status, 0) << h.err;
+    EXPECT_EQ(mini_json::parse(d.out)["tokens"].ints(), mini_json::parse(h.out)["tokens"].ints()) << f[0] << " " << f[1];
+    EXPECT_EQ(mini_json::parse(d.out)["backend"]["ran"].s, "cuda");
+  }
+  const std::vector<std::string> a =
+      with({kTiny, "Tell me a story about a dragon", "--json", "-n", "16"}, {"--temperature", "0.8"});
+  const Proc f = moe(a, {{"MOE_FAKE_GPU", "1"}, {"MOE_FAULT", "gpu-kernel"}});
+  ASSERT_EQ(f.status, 0) << f.err;
+  EXPECT_EQ(f.count_err("falling back to CPU: a CUDA kernel failed at decode position"), 1) << f.err;
+  EXPECT_EQ(mini_json::parse(f.out)["backend"]["ran"].s, "cpu");
+  EXPECT_EQ(mini_json::parse(f.out)["tokens"].ints().size(), 16u);
+  expect_exit(moe(with(a, {"--gpu"}), {{"MOE_FAKE_GPU", "1"}, {"MOE_FAULT", "gpu-kernel"}}), 14, "injected fault");
+}
+
 // ---- a CUDA build: the real GPU path (on a machine with a device) or its fallback (without) -----
 
 TEST(Cli, CudaBuildServesOrFallsBackWithTheCudaError) {
