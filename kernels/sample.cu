@@ -378,18 +378,18 @@ cudaError_t sample(const float* logits, int n, const SampleParams& p, void* scra
     return cudaErrorInvalidValue;
   const int chunk = sample_chunk(p, n), kp = sample_kp(p), lists = sample_lists(n, chunk);
   const size_t smem = sample_smem(chunk, lists, kp);
-  static bool opted = false;  // the largest shape's shared memory, once
-  if (!opted) {
-    for (auto* f : {sample_kernel<2>, sample_kernel<4>, sample_kernel<8>}) {
-      const cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(sample_smem(kSampleMaxChunk, 1, 1)));
-      if (e != cudaSuccess) return e;
-    }
-    opted = true;
+  auto* kernel = chunk == 2 * kSampleThreads ? sample_kernel<2> : chunk == 4 * kSampleThreads ? sample_kernel<4> : sample_kernel<8>;
+  // this launch's shared memory (38-55 KB for a 151,936-token vocabulary), granted per shape as it grows: a device
+  // with less than a shape needs reports the error here, and the caller samples on the host
+  static size_t granted[3] = {0, 0, 0};
+  size_t& g = granted[chunk == 2 * kSampleThreads ? 0 : chunk == 4 * kSampleThreads ? 1 : 2];
+  if (smem > g) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    g = smem;
   }
   int* counter = static_cast<int*>(scratch);
   uint64_t* part = reinterpret_cast<uint64_t*>(static_cast<unsigned char*>(scratch) + 16);
-  auto* kernel = chunk == 2 * kSampleThreads ? sample_kernel<2> : chunk == 4 * kSampleThreads ? sample_kernel<4> : sample_kernel<8>;
   return launch_pdl(kernel, dim3((n + chunk - 1) / chunk), dim3(kSampleThreads), smem, s, logits, n, p, chunk, kp, part,
                     counter, hist, n_ctx, u, out, host, next_token, next_pos);
 }

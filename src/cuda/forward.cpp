@@ -200,12 +200,21 @@ void CudaForward::prepare_sample(const run::SamplerParams& p) {
   if (graph_sample_) cudaGraphExecDestroy(graph_sample_);
   graph_sample_ = nullptr;
   sample_params_ = sp;
-  graph_sample_ = capture_graph(Tail::sample);
+  try {
+    graph_sample_ = capture_graph(Tail::sample);
+  } catch (const Error&) {
+    // e.g. a device without the shared memory the sampler needs: the host samples from now on (the stream is
+    // checked again by the next step, which fails over to the CPU if the device itself is at fault)
+    cudaGetLastError();
+    device_sampler_ = false;
+  }
 }
 
 int32_t CudaForward::eval_sample(std::span<const int32_t> history, const run::SamplerParams& p,
                                  const std::function<double()>& uniform) {
-  if (!samples_on_device(p)) fail(Exit::other, "cuda forward: these sampler settings are not drawn on the device");
+  prepare_sample(p);
+  if (!samples_on_device(p) || !graph_sample_)
+    fail(Exit::other, "cuda forward: these sampler settings are not drawn on the device");
   if (history.empty() || static_cast<int64_t>(history.size()) != n_past_ + 1)
     fail(Exit::usage, "cuda forward: eval_sample needs the {} tokens up to position {}, got {}", n_past_ + 1, n_past_,
          history.size());
@@ -214,7 +223,6 @@ int32_t CudaForward::eval_sample(std::span<const int32_t> history, const run::Sa
   if (n_past_ + 1 > n_ctx_)
     fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
   const k::SampleParams sp = sample_params(p);
-  prepare_sample(p);
   step_ = "a CUDA kernel failed at decode position";
   const bool hit = ahead_ && ahead_tail_ == Tail::sample && token == ahead_token_;
   ahead_ = false;  // set again only once this call has succeeded

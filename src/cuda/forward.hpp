@@ -52,7 +52,8 @@ class CudaForward final : public Forward {
   // Sampled decoding the same way (k::sample draws the token at the end of a third graph, captured at the first
   // use of a parameter set): the step ahead is enqueued with the next uniform before this step's token is read.
   // The penalty's window goes to the device when a step is not the one already running; after that the graph
-  // appends its tokens itself. MOE_CUDA_DEVICE_SAMPLER=0 turns it off (the host samples the copied logits).
+  // appends its tokens itself. MOE_CUDA_DEVICE_SAMPLER=0 turns it off (the host samples the copied logits), and
+  // so does a graph that cannot be captured (prepare_sample; samples_on_device then says false).
   bool samples_on_device(const run::SamplerParams& p) const override;
   void prepare_sample(const run::SamplerParams& p) override;
   int32_t eval_sample(std::span<const int32_t> history, const run::SamplerParams& p,

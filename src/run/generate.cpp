@@ -180,7 +180,7 @@ int generate(const RunConfig& cfg, const Backends& backends, std::ostream& out, 
       next = engine.eval_greedy(history.back(), history);
       continue;
     }
-    if (device_sample && engine.on_gpu()) {
+    if (device_sample && engine.samples_on_device(cfg.sampler)) {  // false once the GPU is gone, or its sampler
       next = engine.eval_sample(history, sampler);
       continue;
     }
