@@ -24,6 +24,9 @@ struct SamplerParams {
   uint32_t seed = kDefaultSeed;
 };
 
+// Greedy: the argmax of the (penalised) logits, no draw (T = 0 or K = 1).
+inline bool is_greedy(const SamplerParams& p) { return p.temperature == 0.0f || p.top_k == 1; }
+
 // Divides positive / multiplies other logits of every distinct token among the last `last_n`
 // entries of `history` (each token penalised once, however often it appears, as llama.cpp does).
 void apply_repeat_penalty(std::span<float> logits, std::span<const int32_t> history, float penalty,
@@ -48,7 +51,7 @@ int32_t sample_with(std::span<float> logits, std::span<const int32_t> history, c
 class Sampler {
  public:
   explicit Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {}
-  bool greedy() const { return p_.temperature == 0.0f || p_.top_k == 1; }
+  bool greedy() const { return is_greedy(p_); }
   const SamplerParams& params() const { return p_; }
   // Applies the repeat penalty to `logits` in place, then picks a token. `history` is the whole
   // sequence so far, prompt included.

@@ -156,7 +156,7 @@ std::vector<Candidate> candidate_set(std::span<const float> logits, const Sample
 int32_t sample_with(std::span<float> logits, std::span<const int32_t> history, const SamplerParams& p,
                     const std::function<double()>& uniform) {
   apply_repeat_penalty(logits, history, p.repeat_penalty, p.repeat_last_n);
-  if (p.temperature == 0.0f || p.top_k == 1) return argmax(logits);  // as Sampler::greedy()
+  if (is_greedy(p)) return argmax(logits);
   const auto c = candidate_set(logits, p);
   if (c.empty()) return argmax(logits);
   const double top = c.front().logit;
