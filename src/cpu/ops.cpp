@@ -8,6 +8,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+#include "moe/finite.hpp"
 #include "moe/quant.hpp"
 
 namespace moe::cpu {
@@ -301,9 +302,7 @@ __attribute__((target("avx2"))) float max_avx2(const float* x, int64_t n) {
 
 int64_t first_non_finite(const float* x, int64_t n) {
   if (use_f16c() && all_finite_avx2(x, n)) return -1;
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return i;
-  return -1;
+  return moe::first_non_finite({x, static_cast<size_t>(n)});
 }
 
 int64_t argmax(const float* x, int64_t n) {

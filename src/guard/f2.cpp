@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "moe/error.hpp"
+#include "moe/finite.hpp"
 #include "moe/guard.hpp"
 
 namespace moe::guard {
@@ -32,9 +33,8 @@ int32_t argmax(std::span<const float> v) {
   return best < 0 ? 0 : best;
 }
 
-static std::optional<int64_t> first_non_finite(std::span<const float> row) {
-  for (size_t i = 0; i < row.size(); ++i)
-    if (!std::isfinite(row[i])) return static_cast<int64_t>(i);
+static std::optional<int64_t> non_finite_at(std::span<const float> row) {
+  if (const int64_t i = first_non_finite(row); i >= 0) return i;
   return std::nullopt;
 }
 
@@ -46,7 +46,7 @@ Report f2_report(std::span<const float> cpu, std::span<const float> gpu, int64_t
   // A non-finite GPU logit anywhere (position 0 included) is never a near-tie: reject at once.
   for (int64_t p = 0; p < r.positions; ++p) {
     for (const auto& [side, all] : {std::pair{"GPU", gpu}, std::pair{"CPU", cpu}}) {
-      if (auto id = first_non_finite(all.subspan(static_cast<size_t>(p) * nv, nv))) {
+      if (auto id = non_finite_at(all.subspan(static_cast<size_t>(p) * nv, nv))) {
         r.accepted = false;
         r.first_bad_pos = p;
         r.non_finite_side = side;

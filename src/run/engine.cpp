@@ -17,17 +17,6 @@ namespace moe::run {
 
 static constexpr const char* kFallbackPrefix = "qwen3moe: the CUDA forward did not serve this run, falling back to CPU: ";
 
-int64_t first_non_finite(std::span<const float> v) {
-  // whether any is not finite (an all-ones exponent), by a loop without an early exit that the compiler
-  // vectorises (151,936 logits: 75-79 -> 22 us, tools/bench/bench_sampler.cpp, docs/PERFORMANCE.md
-  // version 28); then where
-  uint32_t any = 0;
-  for (float x : v) any |= (std::bit_cast<uint32_t>(x) & 0x7f800000u) == 0x7f800000u;
-  if (!any) return -1;
-  for (size_t i = 0; i < v.size(); ++i)
-    if (!std::isfinite(v[i])) return static_cast<int64_t>(i);
-  return -1;
-}
 
 Engine::Engine(const RunConfig& cfg, const Backends& b, std::shared_ptr<const model::OwnedQuantizedModel> m,
                quant::ThreadPool& pool, int n_threads, int64_t n_ctx, std::ostream& err)

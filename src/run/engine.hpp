@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/finite.hpp"
 #include "moe/forward.hpp"
 #include "moe/guard.hpp"
 #include "moe/model.hpp"
@@ -98,7 +99,6 @@ class Engine {
   BackendReport rep_;
 };
 
-// Index of the first non-finite value, or -1.
-int64_t first_non_finite(std::span<const float> v);
+using moe::first_non_finite;  // include/moe/finite.hpp
 
 }  // namespace moe::run

@@ -2,11 +2,13 @@
 // written here (the fixtures only exercise 2 query heads per KV head; Qwen3-30B-A3B has 8).
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
 
 #include "../../src/cpu/ops.hpp"
+#include "moe/finite.hpp"
 #include "moe/quant.hpp"
 
 namespace {
@@ -128,6 +130,27 @@ TEST(CpuOps, ArgmaxLowestIdOnTiesAndNonFiniteScan) {
       EXPECT_EQ(moe::cpu::first_non_finite(y.data(), n), n > 2 ? n / 2 : n - 1) << n;
     }
   }
+}
+
+// The shared check (include/moe/finite.hpp) that the engine and the F2 guard use, and the CPU forward after
+// its AVX2 pass: the first NaN or infinity of any sign or payload, never a finite value (the largest, the
+// smallest subnormal, -0), and -1 for an empty row.
+TEST(CpuOps, FirstNonFiniteFindsTheFirstNaNOrInfinity) {
+  EXPECT_EQ(moe::first_non_finite({}), -1);
+  const float finite[] = {3.4028235e38f, -3.4028235e38f, 1.4e-45f, -0.f, 0.f, 1.f};
+  EXPECT_EQ(moe::first_non_finite(finite), -1);
+  const float bads[] = {std::nanf(""), -std::nanf(""), std::bit_cast<float>(0x7f800001u), std::bit_cast<float>(0xffc12345u),
+                        INFINITY, -INFINITY};
+  for (int n : {1, 2, 15, 16, 17, 151936})
+    for (float bad : bads) {
+      std::vector<float> x(static_cast<size_t>(n), 0.5f);
+      EXPECT_EQ(moe::first_non_finite(x), -1) << n;
+      for (int at : {n - 1, n / 2, 0}) {
+        x[static_cast<size_t>(at)] = bad;
+        EXPECT_EQ(moe::first_non_finite(x), at) << n << " " << at;
+        EXPECT_EQ(moe::cpu::first_non_finite(x.data(), n), at) << n << " " << at;
+      }
+    }
 }
 
 TEST(CpuOps, RmsNormUsesTheMeanSquare) {
