@@ -1,7 +1,6 @@
 #include "engine.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <future>
@@ -16,7 +15,6 @@
 namespace moe::run {
 
 static constexpr const char* kFallbackPrefix = "qwen3moe: the CUDA forward did not serve this run, falling back to CPU: ";
-
 
 Engine::Engine(const RunConfig& cfg, const Backends& b, std::shared_ptr<const model::OwnedQuantizedModel> m,
                quant::ThreadPool& pool, int n_threads, int64_t n_ctx, std::ostream& err)
