@@ -172,7 +172,7 @@ int32_t CudaForward::chained_result(int s, bool launched, Tail tail) {
 
 k::SampleParams CudaForward::sample_params(const run::SamplerParams& p) {
   k::SampleParams s;
-  s.greedy = p.temperature == 0.0f || p.top_k == 1;  // as run::Sampler::greedy()
+  s.greedy = run::is_greedy(p);
   s.temperature = p.temperature;
   s.top_k = p.top_k;
   s.top_p = p.top_p;
