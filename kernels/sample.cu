@@ -378,11 +378,12 @@ cudaError_t sample(const float* logits, int n, const SampleParams& p, void* scra
     return cudaErrorInvalidValue;
   const int chunk = sample_chunk(p, n), kp = sample_kp(p), lists = sample_lists(n, chunk);
   const size_t smem = sample_smem(chunk, lists, kp);
-  auto* kernel = chunk == 2 * kSampleThreads ? sample_kernel<2> : chunk == 4 * kSampleThreads ? sample_kernel<4> : sample_kernel<8>;
+  const int shape = chunk == 2 * kSampleThreads ? 0 : chunk == 4 * kSampleThreads ? 1 : 2;
+  auto* kernel = shape == 0 ? sample_kernel<2> : shape == 1 ? sample_kernel<4> : sample_kernel<8>;
   // this launch's shared memory (38-55 KB for a 151,936-token vocabulary), granted per shape as it grows: a device
   // with less than a shape needs reports the error here, and the caller samples on the host
   static size_t granted[3] = {0, 0, 0};
-  size_t& g = granted[chunk == 2 * kSampleThreads ? 0 : chunk == 4 * kSampleThreads ? 1 : 2];
+  size_t& g = granted[shape];
   if (smem > g) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;

@@ -222,7 +222,7 @@ int32_t CudaForward::eval_sample(std::span<const int32_t> history, const run::Sa
   check_tokens(std::span<const int32_t>(&token, 1));
   if (n_past_ + 1 > n_ctx_)
     fail(Exit::resources, "context is full: {} positions used + 1 new token > context size {}", n_past_, n_ctx_);
-  const k::SampleParams sp = sample_params(p);
+  const k::SampleParams& sp = sample_params_;  // prepare_sample captured graph_sample_ with these
   step_ = "a CUDA kernel failed at decode position";
   const bool hit = ahead_ && ahead_tail_ == Tail::sample && token == ahead_token_;
   ahead_ = false;  // set again only once this call has succeeded
